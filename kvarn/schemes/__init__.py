@@ -1,0 +1,34 @@
+"""Schemes: the frozen :class:`Scheme`, YAML presets and the registry."""
+
+from kvarn.schemes.presets import Preset, PresetError, load_preset, preset_from_dict, preset_to_dict, save_preset
+from kvarn.schemes.registry import (
+    BUILTINS,
+    UnknownSchemeError,
+    get_preset,
+    get_scheme,
+    list_presets,
+    search_path,
+    user_preset_dir,
+)
+from kvarn.schemes.scheme import ALLOWED_BITS, ALLOWED_GROUP_SIZES, LayerOverride, Scheme, SchemeError
+
+__all__ = [
+    "ALLOWED_BITS",
+    "ALLOWED_GROUP_SIZES",
+    "BUILTINS",
+    "LayerOverride",
+    "Preset",
+    "PresetError",
+    "Scheme",
+    "SchemeError",
+    "UnknownSchemeError",
+    "get_preset",
+    "get_scheme",
+    "list_presets",
+    "load_preset",
+    "preset_from_dict",
+    "preset_to_dict",
+    "save_preset",
+    "search_path",
+    "user_preset_dir",
+]

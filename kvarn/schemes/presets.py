@@ -1,0 +1,190 @@
+"""YAML presets <-> schemes (schema version 1), loaded with OmegaConf.
+
+A preset file::
+
+    version: 1                 # schema version, required
+    name: kvarn_smollm2_1pct   # the name it is served by, required ([A-Za-z0-9_.-]+)
+    key_bits: 4                # 2, 3, 4 or 8
+    value_bits: 2              # 2, 3, 4 or 8
+    group_size: 128            # tile length in tokens: 32, 64, 128 or 256
+    rotation: hadamard         # hadamard, none or rhadamard
+    norm_iters: 8              # 0..32 (0 = no normalization)
+    scale_dtype: fp16          # fp16 or log8
+    sink_tile: false           # keep the first tile of every sequence unquantized
+    layers:                    # optional per-layer overrides
+      - {layers: "0-1", key_bits: 8, value_bits: 4}
+      - {layers: 29, unquantized: true}
+    description: ...           # optional free text
+    provenance: {...}          # optional mapping (kvarn-tune writes model, budget, measurements)
+    kernel_config: {...}       # optional mapping of kernel launch parameters
+
+Every scheme field is required; an unknown key, a missing field or a bad value raises
+:class:`PresetError` naming the file, the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from kvarn.schemes.scheme import LayerOverride, Scheme, SchemeError
+
+SCHEMA_VERSION = 1
+_SCHEME_FIELDS = ("key_bits", "value_bits", "group_size", "rotation", "norm_iters", "scale_dtype", "sink_tile")
+_OPTIONAL = ("layers", "description", "provenance", "kernel_config")
+_ALLOWED_KEYS = ("version", "name", *_SCHEME_FIELDS, *_OPTIONAL)
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
+_RANGE_RE = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+class PresetError(ValueError):
+    """A preset file that cannot be read; the message names the file, the field and the value."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A scheme served under a name: a built-in (``source='built-in'``) or a YAML file."""
+
+    name: str
+    scheme: Scheme
+    source: str = "built-in"
+    description: str = ""
+    provenance: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    kernel_config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+
+def _fail(path: str, msg: str) -> PresetError:
+    return PresetError(f"{path}: {msg}")
+
+
+def _parse_overrides(path: str, items: Any) -> tuple[LayerOverride, ...]:
+    if not isinstance(items, list):
+        raise _fail(path, f"layers must be a list of overrides, got {items!r}")
+    out = []
+    for i, item in enumerate(items):
+        where = f"layers[{i}]"
+        if not isinstance(item, dict):
+            raise _fail(path, f"{where} must be a mapping, got {item!r}")
+        unknown = set(item) - {"layers", "key_bits", "value_bits", "unquantized"}
+        if unknown:
+            raise _fail(
+                path, f"{where} has unknown keys {sorted(unknown)}; allowed: layers, key_bits, value_bits, unquantized"
+            )
+        m = _RANGE_RE.fullmatch(str(item.get("layers", "")))
+        if m is None:
+            raise _fail(path, f"{where}.layers={item.get('layers')!r} must be a layer index or a range like '0-3'")
+        first, last = int(m[1]), int(m[2] or m[1])
+        try:
+            if item.get("unquantized", False) is True:
+                if "key_bits" in item or "value_bits" in item:
+                    raise SchemeError("unquantized layers take no key_bits/value_bits")
+                out.append(LayerOverride(first, last))
+            else:
+                out.append(LayerOverride(first, last, item.get("key_bits"), item.get("value_bits")))
+        except SchemeError as e:
+            raise _fail(path, f"{where}: {e}") from None
+    return tuple(out)
+
+
+def preset_from_dict(data: dict[str, Any], path: str = "<dict>") -> Preset:
+    """Validate a preset mapping (schema version 1) and build the :class:`Preset`."""
+    unknown = sorted(set(data) - set(_ALLOWED_KEYS))
+    if unknown:
+        raise _fail(path, f"unknown key(s) {unknown}; allowed: {', '.join(_ALLOWED_KEYS)}")
+    missing = [k for k in ("version", "name", *_SCHEME_FIELDS) if k not in data]
+    if missing:
+        raise _fail(path, f"missing required field(s) {missing}")
+    if data["version"] != SCHEMA_VERSION:
+        raise _fail(path, f"version={data['version']!r} is not supported; allowed: {SCHEMA_VERSION}")
+    name = data["name"]
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise _fail(path, f"name={name!r} must match [A-Za-z0-9_.-]+")
+    try:
+        scheme = Scheme(
+            **{k: data[k] for k in _SCHEME_FIELDS},
+            overrides=_parse_overrides(path, data.get("layers", [])),
+        )
+    except SchemeError as e:
+        raise _fail(path, str(e)) from None
+    except TypeError as e:
+        raise _fail(path, f"bad field type: {e}") from None
+    if name.startswith("kvarn_k"):
+        try:
+            canonical = Scheme.from_name(name)
+        except SchemeError:
+            canonical = None
+        if canonical is not None and canonical != scheme:
+            raise _fail(
+                path, f"name {name!r} is the canonical name of another scheme; this file describes {scheme.name!r}"
+            )
+    for opt in ("provenance", "kernel_config"):
+        if not isinstance(data.get(opt, {}), dict):
+            raise _fail(path, f"{opt} must be a mapping")
+    return Preset(
+        name=name,
+        scheme=scheme,
+        source=path,
+        description=str(data.get("description", "")),
+        provenance=dict(data.get("provenance", {})),
+        kernel_config=dict(data.get("kernel_config", {})),
+    )
+
+
+def load_preset(path: str | os.PathLike[str]) -> Preset:
+    """Read one preset YAML file. Raises :class:`PresetError` (file, field, value, allowed values)."""
+    p = str(path)
+    try:
+        conf = OmegaConf.load(p)
+    except FileNotFoundError:
+        raise PresetError(f"{p}: no such preset file") from None
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError, OSError) as e:
+        raise _fail(p, f"not valid YAML: {e}") from None
+    data = OmegaConf.to_container(conf, resolve=True)
+    if not isinstance(data, dict):
+        raise _fail(p, "a preset must be a YAML mapping")
+    return preset_from_dict({str(k): v for k, v in data.items()}, p)
+
+
+def preset_to_dict(preset: Preset) -> dict[str, Any]:
+    """The YAML mapping of a preset; ``preset_from_dict(preset_to_dict(p)) == p``."""
+    s = preset.scheme
+    data: dict[str, Any] = {"version": SCHEMA_VERSION, "name": preset.name}
+    data.update({k: getattr(s, k) for k in _SCHEME_FIELDS})
+    if s.overrides:
+        data["layers"] = [
+            {"layers": f"{o.first}-{o.last}", "unquantized": True}
+            if o.unquantized
+            else {"layers": f"{o.first}-{o.last}", "key_bits": o.key_bits, "value_bits": o.value_bits}
+            for o in s.overrides
+        ]
+    if preset.description:
+        data["description"] = preset.description
+    if preset.provenance:
+        data["provenance"] = preset.provenance
+    if preset.kernel_config:
+        data["kernel_config"] = preset.kernel_config
+    return data
+
+
+def save_preset(preset: Preset, path: str | os.PathLike[str]) -> Path:
+    """Write a preset YAML atomically (temp file + rename); returns the path written."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = OmegaConf.to_yaml(OmegaConf.create(preset_to_dict(preset)))
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target

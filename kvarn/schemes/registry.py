@@ -1,0 +1,119 @@
+"""The registry: built-in schemes plus user presets found by name, and lookup with clear errors.
+
+Lookup order for :func:`get_preset`: a built-in name; a path to a YAML file; a ``name:`` in a
+preset directory (the bundled ``presets/`` folder, then the directories in ``KVARN_PRESET_PATH``,
+then the user preset directory); finally any canonical scheme name (``kvarn_k3v3_g64_s8``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+from kvarn.schemes.presets import Preset, PresetError, load_preset
+from kvarn.schemes.scheme import Scheme, SchemeError
+
+BUILTINS: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme(4, 2, 128),  # the reference preset (KVarN's shipped layout)
+        Scheme(4, 4, 128),
+        Scheme(4, 2, 64),
+        Scheme(4, 4, 64),
+        Scheme(2, 2, 128),
+        Scheme(3, 2, 128),
+        Scheme(4, 3, 128),
+        Scheme(4, 2, 128, scale_dtype="log8"),  # smaller scales: 3.19 bits/element at head_dim 128
+    )
+}
+
+PRESET_PATH_ENV = "KVARN_PRESET_PATH"
+
+
+class UnknownSchemeError(KeyError):
+    """No scheme or preset by that name; the message lists the valid names and the closest one."""
+
+    def __str__(self) -> str:  # KeyError quotes its message otherwise
+        return str(self.args[0])
+
+
+def bundled_preset_dir() -> Path:
+    """The ``presets/`` folder shipped next to the package (present in a source checkout)."""
+    return Path(__file__).resolve().parents[2] / "presets"
+
+
+def user_preset_dir() -> Path:
+    """Where ``kvarn-tune`` writes presets by default: ``$XDG_CONFIG_HOME/kvarn/presets``."""
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "kvarn" / "presets"
+
+
+def search_path() -> list[Path]:
+    """Preset directories in lookup order. The one place ``KVARN_PRESET_PATH`` is read."""
+    dirs = [bundled_preset_dir()]
+    dirs += [Path(p) for p in os.environ.get(PRESET_PATH_ENV, "").split(os.pathsep) if p]
+    dirs.append(user_preset_dir())
+    return dirs
+
+
+def _scan(dirs: list[Path]) -> tuple[dict[str, Preset], list[str]]:
+    found: dict[str, Preset] = {}
+    broken: list[str] = []
+    for d in dirs:
+        if not d.is_dir():
+            continue
+        for f in sorted([*d.glob("*.yaml"), *d.glob("*.yml")]):
+            try:
+                p = load_preset(f)
+            except PresetError as e:
+                broken.append(str(e))
+                continue
+            found.setdefault(p.name, p)  # earlier directories win
+    return found, broken
+
+
+def list_presets(dirs: list[Path] | None = None) -> list[Preset]:
+    """Every known preset: built-ins first, then user presets (by name) from ``dirs``."""
+    user, _ = _scan(search_path() if dirs is None else dirs)
+    out = [Preset(name, s) for name, s in BUILTINS.items()]
+    out += [p for name, p in sorted(user.items()) if name not in BUILTINS]
+    return out
+
+
+def get_preset(name: str, dirs: list[Path] | None = None) -> Preset:
+    """Find a preset by built-in name, file path, preset ``name:``, or canonical scheme name.
+
+    Raises:
+        UnknownSchemeError: nothing by that name; lists the valid names and the closest match.
+        PresetError: the name is a file that is not a valid preset.
+    """
+    if name in BUILTINS:
+        return Preset(name, BUILTINS[name])
+    if name.endswith((".yaml", ".yml")) or os.sep in name:
+        return load_preset(name)
+    user, broken = _scan(search_path() if dirs is None else dirs)
+    if name in user:
+        return user[name]
+    if name.startswith("kvarn_"):
+        try:
+            return Preset(name, Scheme.from_name(name), source="canonical name")
+        except SchemeError as e:
+            reason = f" ({e})"
+        else:  # pragma: no cover - from_name either returns or raises
+            reason = ""
+    else:
+        reason = ""
+    valid = [*BUILTINS, *sorted(user)]
+    close = difflib.get_close_matches(name, valid, n=1)
+    msg = f"unknown kvarn scheme {name!r}{reason}. Known: {', '.join(valid)}"
+    if close:
+        msg += f". Did you mean {close[0]!r}?"
+    if broken:
+        msg += ". Unreadable preset files: " + "; ".join(broken)
+    raise UnknownSchemeError(msg)
+
+
+def get_scheme(name: str, dirs: list[Path] | None = None) -> Scheme:
+    """The :class:`Scheme` of :func:`get_preset`."""
+    return get_preset(name, dirs).scheme

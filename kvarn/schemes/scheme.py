@@ -1,0 +1,225 @@
+"""The quantization scheme: one frozen dataclass, its canonical name, and every byte size.
+
+A scheme fixes how one tile (``group_size`` tokens x ``head_dim`` channels of one KV head) of
+keys and of values is stored. Everything derived from it (bytes of one packed tile, bits per
+element, compression vs 16-bit) is computed here and nowhere else.
+
+Canonical names::
+
+    kvarn_k{K}v{V}_g{G}[_rot-none|_rot-rh][_it{N}][_s8][_sink][_L{a}[-{b}]k{K}v{V}|_L{a}[-{b}]fp16 ...]
+
+``kvarn_k4v2_g128`` is 4-bit keys, 2-bit values, 128-token tiles with every other option at its
+default (Hadamard rotation, 8 normalization iterations, fp16 scales, no sink tile, no per-layer
+overrides). Each non-default option adds exactly one suffix, in the order above, so
+``Scheme.from_name(s.name) == s`` for every scheme.
+
+Example:
+    >>> s = Scheme.from_name("kvarn_k4v2_g128")
+    >>> s.bits_per_element(head_dim=128)
+    3.375
+    >>> Scheme(key_bits=3, value_bits=2, scale_dtype="log8").name
+    'kvarn_k3v2_g128_s8'
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+ALLOWED_BITS: tuple[int, ...] = (2, 3, 4, 8)
+ALLOWED_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
+ALLOWED_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
+ALLOWED_ROTATIONS: tuple[str, ...] = ("hadamard", "none", "rhadamard")
+ALLOWED_SCALE_DTYPES: tuple[str, ...] = ("fp16", "log8")
+MAX_NORM_ITERS = 32
+DEFAULT_NORM_ITERS = 8
+
+Rotation = Literal["hadamard", "none", "rhadamard"]
+ScaleDtype = Literal["fp16", "log8"]
+
+_ROT_SUFFIX = {"none": "_rot-none", "rhadamard": "_rot-rh"}
+_SCALE_SUFFIX = {"log8": "_s8"}
+
+
+class SchemeError(ValueError):
+    """An invalid scheme field or name; the message names the value and the allowed ones."""
+
+
+def _check_choice(field_name: str, value: object, allowed: tuple[object, ...]) -> None:
+    if isinstance(value, bool) or value not in allowed:
+        raise SchemeError(f"{field_name}={value!r} is not allowed; allowed: {', '.join(map(str, allowed))}")
+
+
+@dataclass(frozen=True)
+class LayerOverride:
+    """Layers ``first..last`` (inclusive) use other bit widths, or stay unquantized (bits None)."""
+
+    first: int
+    last: int
+    key_bits: int | None = None
+    value_bits: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.first < 0 or self.last < self.first:
+            raise SchemeError(f"layer range {self.first}-{self.last} is invalid; need 0 <= first <= last")
+        if (self.key_bits is None) != (self.value_bits is None):
+            raise SchemeError("a layer override sets both key_bits and value_bits, or neither (unquantized)")
+        if self.key_bits is not None:
+            _check_choice("override key_bits", self.key_bits, ALLOWED_BITS)
+            _check_choice("override value_bits", self.value_bits, ALLOWED_BITS)
+
+    @property
+    def unquantized(self) -> bool:
+        return self.key_bits is None
+
+    @property
+    def suffix(self) -> str:
+        rng = f"{self.first}" if self.first == self.last else f"{self.first}-{self.last}"
+        body = "fp16" if self.unquantized else f"k{self.key_bits}v{self.value_bits}"
+        return f"_L{rng}{body}"
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A KV-cache quantization scheme. Frozen, hashable, and named canonically by :attr:`name`."""
+
+    key_bits: int = 4
+    value_bits: int = 2
+    group_size: int = 128
+    rotation: Rotation = "hadamard"
+    norm_iters: int = DEFAULT_NORM_ITERS
+    scale_dtype: ScaleDtype = "fp16"
+    sink_tile: bool = False
+    overrides: tuple[LayerOverride, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        _check_choice("key_bits", self.key_bits, ALLOWED_BITS)
+        _check_choice("value_bits", self.value_bits, ALLOWED_BITS)
+        _check_choice("group_size", self.group_size, ALLOWED_GROUP_SIZES)
+        _check_choice("rotation", self.rotation, ALLOWED_ROTATIONS)
+        _check_choice("scale_dtype", self.scale_dtype, ALLOWED_SCALE_DTYPES)
+        if isinstance(self.norm_iters, bool) or not isinstance(self.norm_iters, int):
+            raise SchemeError(f"norm_iters={self.norm_iters!r} must be an integer in 0..{MAX_NORM_ITERS}")
+        if not 0 <= self.norm_iters <= MAX_NORM_ITERS:
+            raise SchemeError(f"norm_iters={self.norm_iters} is not allowed; allowed: 0..{MAX_NORM_ITERS}")
+        if not isinstance(self.sink_tile, bool):
+            raise SchemeError(f"sink_tile={self.sink_tile!r} must be true or false")
+        ordered = tuple(sorted(self.overrides, key=lambda o: o.first))
+        for a, b in zip(ordered, ordered[1:], strict=False):
+            if b.first <= a.last:
+                raise SchemeError(f"layer overrides overlap: {a.suffix[1:]} and {b.suffix[1:]}")
+        object.__setattr__(self, "overrides", ordered)
+
+    # ---- names -------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """Canonical name; ``Scheme.from_name(self.name) == self``."""
+        parts = [f"kvarn_k{self.key_bits}v{self.value_bits}_g{self.group_size}"]
+        parts.append(_ROT_SUFFIX.get(self.rotation, ""))
+        if self.norm_iters != DEFAULT_NORM_ITERS:
+            parts.append(f"_it{self.norm_iters}")
+        parts.append(_SCALE_SUFFIX.get(self.scale_dtype, ""))
+        if self.sink_tile:
+            parts.append("_sink")
+        parts.extend(o.suffix for o in self.overrides)
+        return "".join(parts)
+
+    @classmethod
+    def from_name(cls, name: str) -> Scheme:
+        """Parse a canonical name. Raises :class:`SchemeError` naming the part that is wrong."""
+        m = _NAME_RE.fullmatch(name)
+        if m is None:
+            raise SchemeError(
+                f"{name!r} is not a canonical kvarn scheme name; expected "
+                "kvarn_k<K>v<V>_g<G>[_rot-none|_rot-rh][_it<N>][_s8][_sink][_L<a>[-<b>]k<K>v<V>|_L<a>[-<b>]fp16...]"
+            )
+        rotation = {"_rot-none": "none", "_rot-rh": "rhadamard", None: "hadamard"}[m["rot"]]
+        overrides = []
+        for om in _OVR_RE.finditer(m["ovr"] or ""):
+            first = int(om["a"])
+            last = int(om["b"]) if om["b"] else first
+            kb = int(om["k"]) if om["k"] else None
+            vb = int(om["v"]) if om["v"] else None
+            overrides.append(LayerOverride(first, last, kb, vb))
+        scheme = cls(
+            key_bits=int(m["k"]),
+            value_bits=int(m["v"]),
+            group_size=int(m["g"]),
+            rotation=rotation,  # type: ignore[arg-type]
+            norm_iters=int(m["it"]) if m["it"] else DEFAULT_NORM_ITERS,
+            scale_dtype="log8" if m["s8"] else "fp16",
+            sink_tile=bool(m["sink"]),
+            overrides=tuple(overrides),
+        )
+        if scheme.name != name:  # e.g. "_it8" spelled out, or overrides out of order
+            raise SchemeError(f"{name!r} is not canonical; write it as {scheme.name!r}")
+        return scheme
+
+    # ---- per layer -----------------------------------------------------------------------------
+    def for_layer(self, layer: int) -> Scheme | None:
+        """The scheme that layer ``layer`` uses (no overrides), or None if it stays unquantized."""
+        for o in self.overrides:
+            if o.first <= layer <= o.last:
+                if o.unquantized:
+                    return None
+                assert o.key_bits is not None and o.value_bits is not None
+                return replace(self, key_bits=o.key_bits, value_bits=o.value_bits, overrides=())
+        return replace(self, overrides=()) if self.overrides else self
+
+    # ---- sizes: the one place they are computed ------------------------------------------------
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of one stored scale, zero point or normalization factor (2 for fp16, 1 for log8)."""
+        return 2 if self.scale_dtype == "fp16" else 1
+
+    def key_code_bytes(self, head_dim: int) -> int:
+        return self.group_size * head_dim * self.key_bits // 8
+
+    def value_code_bytes(self, head_dim: int) -> int:
+        return self.group_size * head_dim * self.value_bits // 8
+
+    def key_param_bytes(self, head_dim: int) -> int:
+        """Keys: a scale and a zero point per channel, a normalization factor per token."""
+        return self.param_bytes * (2 * head_dim + self.group_size)
+
+    def value_param_bytes(self, head_dim: int) -> int:
+        """Values: a scale and a zero point per token, a normalization factor per channel."""
+        return self.param_bytes * (2 * self.group_size + head_dim)
+
+    def tile_bytes(self, head_dim: int) -> int:
+        """Bytes of one packed record: keys and values of one tile of one KV head (one layer)."""
+        _check_choice("head_dim", head_dim, ALLOWED_HEAD_DIMS)
+        return (
+            self.key_code_bytes(head_dim)
+            + self.value_code_bytes(head_dim)
+            + self.key_param_bytes(head_dim)
+            + self.value_param_bytes(head_dim)
+        )
+
+    def bits_per_element(self, head_dim: int, num_layers: int | None = None) -> float:
+        """Stored bits per cached number (keys and values), every scale and zero point included.
+
+        With per-layer overrides the figure depends on the layer count: pass ``num_layers``
+        (unquantized layers count 16 bits). Without it, the overrides are ignored.
+        """
+        per_layer = 8.0 * self.tile_bytes(head_dim) / (2 * self.group_size * head_dim)
+        if num_layers is None or not self.overrides:
+            return per_layer
+        total = 0.0
+        for layer in range(num_layers):
+            s = self.for_layer(layer)
+            total += 16.0 if s is None else s.bits_per_element(head_dim)
+        return total / num_layers
+
+    def compression(self, head_dim: int, num_layers: int | None = None) -> float:
+        """How many times smaller than a 16-bit cache."""
+        return 16.0 / self.bits_per_element(head_dim, num_layers)
+
+
+_NAME_RE = re.compile(
+    r"kvarn_k(?P<k>\d+)v(?P<v>\d+)_g(?P<g>\d+)"
+    r"(?P<rot>_rot-none|_rot-rh)?(?:_it(?P<it>\d+))?(?P<s8>_s8)?(?P<sink>_sink)?"
+    r"(?P<ovr>(?:_L\d+(?:-\d+)?(?:k\d+v\d+|fp16))*)"
+)
+_OVR_RE = re.compile(r"_L(?P<a>\d+)(?:-(?P<b>\d+))?(?:k(?P<k>\d+)v(?P<v>\d+)|fp16)")

@@ -1,0 +1,38 @@
+"""`kvarn presets`: the table and the JSON the README's figures come from."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvarn.cli import main
+
+
+def test_presets_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["presets", "--json", "--head-dim", "128"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    by_name = {r["name"]: r for r in rows}
+    ref = by_name["kvarn_k4v2_g128"]
+    assert {"name", "key_bits", "value_bits", "group_size", "bits_per_element", "compression"} <= set(ref)
+    assert ref["bits_per_element"] == pytest.approx(3.375)
+    assert ref["compression"] == pytest.approx(4.7407, rel=1e-4)
+    assert by_name["kvarn_k4v2_g128_s8"]["bits_per_element"] < 3.375
+
+
+def test_presets_table_and_user_preset(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "mine.yaml").write_text(
+        "version: 1\nname: mine\nkey_bits: 8\nvalue_bits: 8\ngroup_size: 32\nrotation: none\n"
+        "norm_iters: 0\nscale_dtype: fp16\nsink_tile: false\n"
+    )
+    monkeypatch.setenv("KVARN_PRESET_PATH", str(tmp_path))
+    assert main(["presets", "--head-dim", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "kvarn_k4v2_g128" in out and "3.5625" in out and "mine" in out
+
+
+def test_console_script_bad_head_dim() -> None:
+    r = subprocess.run([sys.executable, "-m", "kvarn.cli", "presets", "--head-dim", "96"], capture_output=True, text=True)
+    assert r.returncode == 2 and "invalid choice: 96" in r.stderr

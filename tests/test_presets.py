@@ -1,0 +1,108 @@
+"""YAML presets and the registry: round-trip, lookup, and every documented error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvarn.schemes import (
+    BUILTINS,
+    LayerOverride,
+    Preset,
+    PresetError,
+    Scheme,
+    UnknownSchemeError,
+    get_preset,
+    list_presets,
+    load_preset,
+    save_preset,
+)
+from kvarn.schemes.registry import bundled_preset_dir
+
+GOOD = """\
+version: 1
+name: my_preset
+key_bits: 3
+value_bits: 2
+group_size: 64
+rotation: rhadamard
+norm_iters: 4
+scale_dtype: log8
+sink_tile: true
+layers:
+  - {layers: "0-1", key_bits: 8, value_bits: 4}
+  - {layers: 29, unquantized: true}
+"""
+
+
+def test_yaml_round_trip_is_lossless(tmp_path: Path) -> None:
+    src = tmp_path / "a.yaml"
+    src.write_text(GOOD)
+    p = load_preset(src)
+    assert p.name == "my_preset"
+    assert p.scheme == Scheme(
+        3, 2, 64, "rhadamard", 4, "log8", True, (LayerOverride(0, 1, 8, 4), LayerOverride(29, 29))
+    )
+    p2 = Preset(p.name, p.scheme, provenance={"model": "x", "kl": 0.01}, description="d")
+    out = save_preset(p2, tmp_path / "sub" / "b.yaml")
+    back = load_preset(out)
+    assert back == Preset(p.name, p.scheme, source=str(out), description="d")
+    assert back.provenance == {"model": "x", "kl": 0.01}
+
+
+def test_bundled_yaml_files_match_builtins() -> None:
+    files = sorted(bundled_preset_dir().glob("*.yaml"))
+    assert files, "presets/ ships the built-ins as YAML"
+    for f in files:
+        p = load_preset(f)
+        assert BUILTINS[p.name] == p.scheme
+
+
+def test_lookup_by_builtin_name_path_dir_and_canonical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "x.yaml").write_text(GOOD)
+    assert get_preset("kvarn_k4v2_g128").scheme == Scheme()
+    assert get_preset(str(tmp_path / "x.yaml")).name == "my_preset"
+    monkeypatch.setenv("KVARN_PRESET_PATH", str(tmp_path))
+    assert get_preset("my_preset").scheme.key_bits == 3
+    assert "my_preset" in [p.name for p in list_presets()]
+    assert get_preset("kvarn_k3v3_g64_s8").scheme == Scheme(3, 3, 64, scale_dtype="log8")
+
+
+def test_unknown_name_lists_valid_and_closest(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("KVARN_PRESET_PATH", str(tmp_path))
+    with pytest.raises(UnknownSchemeError) as e:
+        get_preset("kvarn_k4v2_g12")
+    msg = str(e.value)
+    assert "kvarn_k4v4_g128" in msg and "Did you mean 'kvarn_k4v2_g128'" in msg
+
+
+@pytest.mark.parametrize(
+    ("edit", "needles"),
+    [
+        (("key_bits: 3", "key_bits: 5"), ["key_bits=5", "allowed: 2, 3, 4, 8"]),
+        (("group_size: 64", "group_size: 100"), ["group_size=100", "32, 64, 128, 256"]),
+        (("norm_iters: 4", "norm_iters: -1"), ["norm_iters=-1", "0..32"]),
+        (("sink_tile: true", "sink_tile: true\ncolour: red"), ["unknown key(s) ['colour']"]),
+        (("version: 1", "version: 2"), ["version=2", "allowed: 1"]),
+        (("scale_dtype: log8\n", ""), ["missing required field(s) ['scale_dtype']"]),
+        (("value_bits: 4}", "value_bits: 6}"), ["layers[0]", "value_bits=6"]),
+        (("name: my_preset", "name: kvarn_k4v2_g128"), ["canonical name of another scheme"]),
+        (("key_bits: 3", "key_bits: [3"), ["not valid YAML"]),
+    ],
+)
+def test_bad_preset_files_name_file_field_value(tmp_path: Path, edit: tuple[str, str], needles: list[str]) -> None:
+    f = tmp_path / "bad.yaml"
+    assert edit[0] in GOOD
+    f.write_text(GOOD.replace(edit[0], edit[1]))
+    with pytest.raises(PresetError) as e:
+        load_preset(f)
+    msg = str(e.value)
+    assert str(f) in msg
+    for n in needles:
+        assert n in msg
+
+
+def test_missing_file() -> None:
+    with pytest.raises(PresetError, match="no such preset file"):
+        load_preset("/nonexistent/dir/p.yaml")
