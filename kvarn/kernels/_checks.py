@@ -1,0 +1,51 @@
+"""Argument checks and cached constant tensors shared by the launchers in :mod:`kvarn.kernels.ops`."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kvarn.codec.params import load_positive
+from kvarn.codec.rotation import rotation_matrix
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class KernelArgumentError(ValueError):
+    """A kernel argument with the wrong shape, dtype, device or layout; the message names it."""
+
+
+def check_tensor(
+    name: str,
+    t: torch.Tensor,
+    shape: tuple[int | None, ...],
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device,
+    inner_contiguous: bool = True,
+) -> None:
+    """Check ``t`` against ``shape`` (None = any size), ``dtypes``, ``device`` and a unit last stride."""
+    if not isinstance(t, torch.Tensor):
+        raise KernelArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape, strict=True)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise KernelArgumentError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if t.dtype not in dtypes:
+        raise KernelArgumentError(f"{name} dtype {t.dtype} is not supported; allowed: {', '.join(map(str, dtypes))}")
+    if t.device != device:
+        raise KernelArgumentError(f"{name} is on {t.device}, expected {device} (all kernel tensors on one device)")
+    if inner_contiguous and t.numel() > 0 and t.stride(-1) != 1:
+        raise KernelArgumentError(f"{name} must have a contiguous last axis (stride 1), got strides {t.stride()}")
+
+
+@functools.lru_cache(maxsize=64)
+def rotation(kind: str, head_dim: int, device: torch.device) -> torch.Tensor:
+    """``[D, D]`` float32 rotation R on ``device``, contiguous (identity for ``none``)."""
+    return rotation_matrix(kind, head_dim, device).contiguous()
+
+
+@functools.lru_cache(maxsize=8)
+def log8_table(device: torch.device) -> torch.Tensor:
+    """``[256]`` float32: the value of every log8 byte, from the reference decoder."""
+    return load_positive(torch.arange(256, dtype=torch.int32).to(torch.uint8), "log8").to(device).contiguous()
