@@ -1,0 +1,208 @@
+"""One layer of :class:`kvarn.hf.KVarNCache`: an unquantized tail, committed tokens, an optional sink.
+
+Tokens arrive at the tail (model dtype). A committer moves the oldest tokens out of the tail once
+enough have arrived: kvarn schemes commit whole tiles (``group_size`` tokens) into packed records,
+baselines commit ``commit_tokens`` tokens at a time, keeping their ``window`` newest ones. The
+keys and values attention reads are ``[sink | committed | tail]``, where ``committed`` is what the
+stored bytes decode to: exactly what a server reads back.
+
+Committing happens in :meth:`KVarNLayer.update` *before* the layer returns its keys and values, so
+a chunk already reads its own tokens quantized once their tile is full (as a server that writes the
+cache first and then attends over it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kvarn.codec import dequantize_tiles, quantize_tiles
+from kvarn.hf.spec import BaselineLike
+from kvarn.schemes import Scheme
+
+
+class TileCommitter:
+    """Commits whole tiles of a kvarn :class:`Scheme` as packed records (real uint8 bytes).
+
+    ``records``: ``[batch, kv_heads, tiles, tile_bytes]`` uint8, in token order.
+    """
+
+    def __init__(self, scheme: Scheme, head_dim: int) -> None:
+        self.scheme = scheme
+        self.head_dim = head_dim
+        self.commit_tokens = scheme.group_size
+        self.window = 0
+        self.tile_bytes = scheme.tile_bytes(head_dim)
+        self.records: torch.Tensor | None = None
+
+    def commit(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``[B, H, n*G, D]`` keys/values as ``n`` tiles per head; return what they decode to."""
+        b, h, s, d = k.shape
+        g = self.commit_tokens
+        n = s // g
+        kt = k.reshape(b * h * n, g, d)  # [B, H, n*G, D] -> [B*H*n, G, D]: tiles in token order
+        vt = v.reshape(b * h * n, g, d)
+        rec = quantize_tiles(kt, vt, self.scheme)
+        new = rec.view(b, h, n, self.tile_bytes)
+        self.records = new if self.records is None else torch.cat([self.records, new], dim=2)
+        kd, vd = dequantize_tiles(rec, self.scheme, d, dtype=k.dtype)
+        return kd.view(b, h, s, d), vd.view(b, h, s, d)
+
+    def quantized_bytes(self) -> float:
+        """Bytes of the stored records."""
+        return 0.0 if self.records is None else float(self.records.numel())
+
+    def reset(self) -> None:
+        self.records = None
+
+
+class BaselineCommitter:
+    """Commits ``commit_tokens`` tokens at a time through a baseline's fake quantization."""
+
+    def __init__(self, baseline: BaselineLike, head_dim: int) -> None:
+        self.baseline = baseline
+        self.head_dim = head_dim
+        self.commit_tokens = int(baseline.commit_tokens)
+        self.window = int(baseline.window)
+        self.bits = float(baseline.bits_per_element(head_dim))
+        self.state: dict[str, Any] = {}
+        self.committed_elements = 0  # keys and values together
+
+    def commit(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Round-trip ``[B, H, n*c, D]`` keys/values, ``c`` tokens per call, oldest first."""
+        c = self.commit_tokens
+        ks, vs = [], []
+        for start in range(0, k.shape[2], c):
+            kq, vq = self.baseline.roundtrip(
+                k[:, :, start : start + c].float(), v[:, :, start : start + c].float(), self.state
+            )
+            ks.append(kq.to(k.dtype))
+            vs.append(vq.to(v.dtype))
+        self.committed_elements += 2 * k.numel()
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+    def quantized_bytes(self) -> float:
+        """Bytes a server would hold for the committed tokens, at the baseline's honest bits/element."""
+        return self.committed_elements * self.bits / 8.0
+
+    def reset(self) -> None:
+        self.state = {}
+        self.committed_elements = 0
+
+
+Committer = TileCommitter | BaselineCommitter
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    b, h, _, d = like.shape
+    return like.new_zeros((b, h, 0, d))
+
+
+class KVarNLayer(CacheLayerMixin):
+    """The cache of one attention layer. Shapes: ``[batch, kv_heads, tokens, head_dim]``.
+
+    Args:
+        committer: how full groups of tokens are stored; None keeps the layer unquantized.
+        sink_tokens: the first ``sink_tokens`` tokens stay unquantized (a scheme's sink tile).
+    """
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, committer: Committer | None, sink_tokens: int = 0) -> None:
+        super().__init__()
+        self.committer = committer
+        self.sink_tokens = sink_tokens
+        self.length = 0
+        self.sink_k = self.sink_v = self.done_k = self.done_v = self.tail_k = self.tail_v = torch.empty(0)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.sink_k, self.sink_v = _empty(key_states), _empty(value_states)
+        self.done_k, self.done_v = _empty(key_states), _empty(value_states)  # committed: decoded bytes
+        self.tail_k, self.tail_v = _empty(key_states), _empty(value_states)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``[B, H, S, D]`` new keys/values, commit what is due, return all keys/values."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.length += key_states.shape[-2]
+        self.tail_k = torch.cat([self.tail_k, key_states], dim=-2)
+        self.tail_v = torch.cat([self.tail_v, value_states], dim=-2)
+        if self.committer is None:
+            return self._all()
+        missing = self.sink_tokens - self.sink_k.shape[-2]
+        if missing > 0:  # the first tokens of the sequence fill the sink before anything is committed
+            self.sink_k = torch.cat([self.sink_k, self.tail_k[:, :, :missing]], dim=-2)
+            self.sink_v = torch.cat([self.sink_v, self.tail_v[:, :, :missing]], dim=-2)
+            self.tail_k, self.tail_v = self.tail_k[:, :, missing:], self.tail_v[:, :, missing:]
+        c, w = self.committer.commit_tokens, self.committer.window
+        due = max(0, (self.tail_k.shape[-2] - w) // c) * c
+        if due:
+            kq, vq = self.committer.commit(self.tail_k[:, :, :due], self.tail_v[:, :, :due])
+            self.done_k = torch.cat([self.done_k, kq], dim=-2)
+            self.done_v = torch.cat([self.done_v, vq], dim=-2)
+            self.tail_k, self.tail_v = self.tail_k[:, :, due:], self.tail_v[:, :, due:]
+        return self._all()
+
+    def _all(self) -> tuple[torch.Tensor, torch.Tensor]:
+        k = torch.cat([self.sink_k, self.done_k, self.tail_k], dim=-2)
+        v = torch.cat([self.sink_v, self.done_v, self.tail_v], dim=-2)
+        return k, v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # ---- accounting --------------------------------------------------------------------------
+    def quantized_bytes(self) -> float:
+        """Bytes of committed (quantized) tokens as stored."""
+        return 0.0 if self.committer is None else self.committer.quantized_bytes()
+
+    def unquantized_elements(self) -> int:
+        """Numbers (keys and values) held in the model's dtype: sink and tail."""
+        if not self.is_initialized:
+            return 0
+        return sum(t.numel() for t in (self.sink_k, self.sink_v, self.tail_k, self.tail_v))
+
+    def unquantized_bytes(self) -> int:
+        """Bytes of the sink and the tail as held (model dtype)."""
+        if not self.is_initialized:
+            return 0
+        return self.unquantized_elements() * self.tail_k.element_size()
+
+    def quantized_elements(self) -> int:
+        """Numbers (keys and values) held quantized."""
+        return 0 if not self.is_initialized else self.done_k.numel() + self.done_v.numel()
+
+    # ---- unsupported cache operations: say so instead of silently corrupting ------------------
+    def reset(self) -> None:
+        self.length = 0
+        self.is_initialized = False
+        if self.committer is not None:
+            self.committer.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("KVarNCache does not support beam search (reorder_cache); use greedy or sampling")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("KVarNCache cannot crop: committed tiles are quantized (no assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("KVarNCache does not support batch_repeat_interleave")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("KVarNCache does not support batch_select_indices")
+
+    def offload(self) -> None:
+        raise NotImplementedError("KVarNCache does not support offloading")
