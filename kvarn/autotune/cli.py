@@ -1,0 +1,179 @@
+"""``kvarn-tune``: the smallest KV cache that keeps a model within an accuracy budget.
+
+Example::
+
+    kvarn-tune --model smollm2-135m --budget 1% --trials 30 --storage sqlite:///study.db
+
+Exit codes: 0 a preset was written; 1 bad arguments; 2 the budget is unreachable in the trials run
+(the closest trade-off is printed); 3 no calibration winner held on held-out text; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvarn.autotune.budget import BudgetError, parse_budget
+from kvarn.autotune.report import check_writable, plot_front, summary_table, to_json, write_presets
+from kvarn.autotune.tuner import TuneConfig, derived_name, model_dims, tune
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvarn-tune",
+        description="Search kvarn schemes (bits, tiles, scales, per-layer precision) for the fewest bits per element "
+        "within an accuracy budget, confirm the winner on held-out text, and write it as a preset.",
+    )
+    p.add_argument("--model", default="smollm2-135m", help="model alias or local Hugging Face folder")
+    p.add_argument("--budget", required=True, help="'1%%' (perplexity increase), 'kl=0.01', or 'greedy=200'")
+    p.add_argument("--text", type=Path, help="calibration text file (default: the bundled GPL-3 text)")
+    p.add_argument("--tokens", type=int, default=1024, help="tokens evaluated on each part (default 1024)")
+    p.add_argument("--holdout", type=float, default=0.5, help="fraction of the text held out (default 0.5)")
+    p.add_argument("--trials", type=int, default=30, help="trials in the study, resumed ones included")
+    p.add_argument("--timeout", type=float, help="stop starting new trials after this many seconds")
+    p.add_argument("--seed", type=int, default=0, help="sampler seed (same seed, same result)")
+    p.add_argument("--storage", help="Optuna storage URL, e.g. sqlite:///study.db (resumable)")
+    p.add_argument("--study-name", help="default: derived from model, text, budget, space and seed")
+    p.add_argument("--name", help="preset name (default kvarn_<model>_<budget>)")
+    p.add_argument("--out", type=Path, help="preset directory (default: the user preset directory)")
+    p.add_argument("--plot", type=Path, help="Pareto plot PNG (default <out>/<name>.png)")
+    p.add_argument("--pareto", action="store_true", help="measure the whole front; write a preset per front point")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
+    p.add_argument("--allow-kv-inversion", action="store_true", help="allow fewer key bits than value bits")
+    p.add_argument("--no-per-layer", action="store_true", help="one precision for every layer")
+    p.add_argument("--max-protect", type=int, default=4, help="most sensitive layers that may get more bits")
+    p.add_argument("--group-sizes", default="32,64,128,256", help="comma list of tile sizes to search")
+    p.add_argument("--prune-tokens", type=int, default=-1, help="tokens of the partial evaluation (-1: half; 0: off)")
+    p.add_argument(
+        "--prune-slack", type=float, default=2.0, help="prune when the partial metric exceeds slack x budget"
+    )
+    p.add_argument("--sensitivity-tokens", type=int, default=256, help="tokens per layer probe (0: no pass)")
+    p.add_argument("--confirm", type=int, default=3, help="candidates tried on held-out text, fewest bits first")
+    p.add_argument("--compare", default="", help="comma list of presets/baselines to measure for the plot")
+    p.add_argument("--cache-dir", type=Path, help="sensitivity cache (default <kvarn cache>/sensitivity)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"kvarn-tune: error: {msg}", file=sys.stderr)
+    return 1
+
+
+def _config(args: argparse.Namespace) -> TuneConfig | str:
+    try:
+        budget = parse_budget(args.budget)
+    except BudgetError as e:
+        return str(e)
+    if args.trials < 1:
+        return f"--trials {args.trials} must be >= 1"
+    if args.tokens < 64:
+        return f"--tokens {args.tokens} is too few to measure anything; use at least 64"
+    if not 0.0 < args.holdout < 1.0:
+        return f"--holdout {args.holdout} must be strictly between 0 and 1"
+    try:
+        groups = tuple(int(g) for g in args.group_sizes.split(",") if g.strip())
+    except ValueError:
+        return f"--group-sizes {args.group_sizes!r} must be a comma list of integers (32,64,128,256)"
+    from kvarn.schemes import ALLOWED_GROUP_SIZES
+
+    bad = [g for g in groups if g not in ALLOWED_GROUP_SIZES]
+    if bad or not groups:
+        return f"--group-sizes {args.group_sizes!r}: allowed {', '.join(map(str, ALLOWED_GROUP_SIZES))}"
+    text = None
+    if args.text is not None:
+        try:
+            text = args.text.read_text()
+        except OSError as e:
+            return f"--text {args.text}: {e.strerror or e}"
+    return TuneConfig(
+        budget=budget,
+        model=args.model,
+        text=text,
+        tokens=args.tokens,
+        holdout=args.holdout,
+        trials=args.trials,
+        timeout=args.timeout,
+        seed=args.seed,
+        storage=args.storage,
+        study_name=args.study_name,
+        pareto=args.pareto,
+        allow_kv_inversion=args.allow_kv_inversion,
+        per_layer=not args.no_per_layer,
+        max_protect=args.max_protect,
+        group_sizes=groups,
+        prune_tokens=args.prune_tokens,
+        prune_slack=args.prune_slack,
+        sensitivity_tokens=args.sensitivity_tokens,
+        cache_dir=args.cache_dir,
+        confirm=args.confirm,
+        compare=tuple(n.strip() for n in args.compare.split(",") if n.strip()),
+        progress=not args.quiet,
+    )
+
+
+def _progress_callback(total: int, quiet: bool) -> tuple[Any, Any]:
+    from optuna.trial import TrialState
+    from tqdm import tqdm
+
+    from kvarn.autotune.objective import best_feasible
+
+    bar = tqdm(total=total, desc="kvarn-tune", unit="trial", disable=quiet)
+
+    def cb(study: Any, trial: Any) -> None:
+        best = best_feasible(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        bar.set_postfix_str(f"best feasible {float(best.value):.4f} bits" if best else "no feasible trial yet")
+        bar.n = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.get_trials(deepcopy=False))
+        bar.refresh()
+
+    return bar, cb
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = _config(args)
+    if isinstance(config, str):
+        return _fail(config)
+    from kvarn.models import ModelNotFoundError
+    from kvarn.schemes import user_preset_dir
+
+    try:
+        dims = model_dims(args.model)
+    except (ModelNotFoundError, KeyError, OSError) as e:
+        return _fail(f"--model {args.model!r}: {e}")
+    out_dir = args.out or user_preset_dir()
+    try:
+        check_writable(out_dir)
+    except PermissionError as e:
+        return _fail(str(e))
+    name = args.name or derived_name(args.model, config.budget)
+    bar, cb = _progress_callback(config.trials, args.quiet)
+    try:
+        res = tune(config, dims=dims, callbacks=[cb])
+    except ValueError as e:
+        return _fail(str(e))
+    finally:
+        bar.close()
+    written = write_presets(res, name, out_dir, str(args.text) if args.text else "bundled GPL-3 (kvarn/data/gpl-3.txt)")
+    plot = None
+    if res.trials:
+        plot = plot_front(res, args.plot or out_dir / f"{name}.png")
+    if args.json:
+        print(json.dumps(to_json(res, written, plot), indent=2, default=str))
+    else:
+        print(summary_table(res))
+        for p in written:
+            print(f"wrote {p}  (load it by name: {p.stem})")
+        if plot:
+            print(f"plot  {plot}")
+    if res.exit_code:
+        print(f"kvarn-tune: {res.message}", file=sys.stderr)
+    return res.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

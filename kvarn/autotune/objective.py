@@ -1,0 +1,161 @@
+"""The Optuna objective: minimize bits per element subject to the accuracy budget.
+
+One trial: sample a scheme, compute its bits per element (free), then spend evaluation time only
+where it can matter:
+
+1. a trial whose bits cannot beat the best feasible trial so far is pruned unmeasured (not in
+   ``--pareto`` mode, where every point of the front counts);
+2. a scheme already measured in this study (samplers repeat themselves) reuses that measurement;
+3. a partial evaluation on the first ``prune_tokens`` tokens is reported to the study's pruner
+   (:class:`optuna.pruners.ThresholdPruner` at ``prune_slack`` x the budget), which stops trials that
+   are already far outside the budget;
+4. the full evaluation sets the constraint with ``trial.set_constraint`` (Optuna 5): the metric's
+   distance to the budget, ``<= 0`` feasible. Constraint-aware samplers (TPE) read it from there.
+
+The value returned is the scheme's bits per element (per-layer overrides included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, is_dataclass
+from typing import Any, Protocol
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from kvarn.autotune.budget import Budget, Measurement
+from kvarn.autotune.space import SearchSpace
+from kvarn.schemes import Scheme
+
+CONSTRAINT = "budget"
+MEASURE_KEYS = ("ppl", "delta_ppl_pct", "kl", "top1_agreement", "greedy_agreement_tokens", "tokens", "seconds")
+
+
+class EvaluatorLike(Protocol):
+    """The part of ``kvarn.eval.harness.Evaluator`` the tuner uses."""
+
+    def evaluate(
+        self, scheme: str | Scheme, *, greedy: bool = True, max_tokens: int | None = None, progress: bool = True
+    ) -> Any: ...
+
+
+def measurement_dict(result: Measurement | Any) -> dict[str, Any]:
+    """The JSON-able fields of an ``EvalResult`` (or any object with the same attributes)."""
+    if is_dataclass(result) and not isinstance(result, type):
+        src = asdict(result)
+    else:
+        src = {k: getattr(result, k) for k in MEASURE_KEYS if hasattr(result, k)}
+    out: dict[str, Any] = {}
+    for k in MEASURE_KEYS:
+        v = src.get(k)
+        out[k] = None if v is None else (int(v) if k in ("greedy_agreement_tokens", "tokens") else float(v))
+    return out
+
+
+class _Dict:
+    """Attribute view of a measurement dict, so :meth:`Budget.value` reads both forms."""
+
+    def __init__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+
+
+def metric_of(budget: Budget, m: dict[str, Any]) -> float:
+    return budget.value(_Dict(m))  # type: ignore[arg-type]
+
+
+def best_feasible(trials: list[FrozenTrial]) -> FrozenTrial | None:
+    """The complete, feasible trial with the fewest bits (ties: lower metric violation, then number)."""
+    ok = [t for t in trials if t.state == TrialState.COMPLETE and t.constraints.get(CONSTRAINT, 1.0) <= 0.0]
+    if not ok:
+        return None
+    return min(ok, key=lambda t: (float(t.value or 0.0), t.constraints[CONSTRAINT], t.number))
+
+
+@dataclass
+class Objective:
+    """Callable objective for ``study.optimize``.
+
+    Args:
+        space: the search space.
+        budget: the accuracy budget (constraint).
+        evaluator: calibration-text evaluator (decode mode; reference logits cached inside it).
+        head_dim, num_layers: of the model, for bits per element.
+        prune_tokens: tokens of the partial evaluation; ``None`` or 0 disables it (greedy budgets
+            always disable it: greedy agreement of a prefix says little about the whole).
+        pareto: measure every trial (no skipping by bits), to trace the whole front.
+        progress: evaluator progress bars.
+    """
+
+    space: SearchSpace
+    budget: Budget
+    evaluator: EvaluatorLike
+    head_dim: int
+    num_layers: int
+    prune_tokens: int | None = None
+    pareto: bool = False
+    progress: bool = False
+    on_measured: Callable[[str, dict[str, Any]], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.cache: dict[str, dict[str, Any]] = {}
+        self.partial_cache: dict[str, dict[str, Any]] = {}
+
+    def prime(self, trials: list[FrozenTrial]) -> None:
+        """Reuse the measurements of earlier trials (a resumed study)."""
+        for t in trials:
+            name = t.user_attrs.get("scheme")
+            if name and "calib" in t.user_attrs:
+                self.cache[name] = t.user_attrs["calib"]
+            elif name and "partial" in t.user_attrs:
+                self.partial_cache[name] = t.user_attrs["partial"]
+
+    def _evaluate(self, scheme: Scheme, max_tokens: int | None) -> dict[str, Any]:
+        r = self.evaluator.evaluate(
+            scheme,
+            greedy=self.budget.needs_greedy and max_tokens is None,
+            max_tokens=max_tokens,
+            progress=self.progress,
+        )
+        return measurement_dict(r)
+
+    def _prune_partial(self, trial: optuna.Trial, partial: dict[str, Any]) -> None:
+        value = metric_of(self.budget, partial)
+        trial.set_user_attr("partial", partial)
+        trial.report(value, step=int(partial["tokens"] or self.prune_tokens or 0))
+        if trial.should_prune():
+            trial.set_user_attr("status", "pruned: partial evaluation far outside the budget")
+            trial.set_constraint(CONSTRAINT, self.budget.violation(value))
+            raise optuna.TrialPruned(f"{self.budget.metric}={value:.4g} on {partial['tokens']} tokens")
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        scheme = self.space.sample(trial)
+        bits = scheme.bits_per_element(self.head_dim, self.num_layers)
+        trial.set_user_attr("scheme", scheme.name)
+        trial.set_user_attr("bits", bits)
+        if not self.pareto:
+            best = best_feasible(trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+            if best is not None and bits >= float(best.value or 0.0):
+                trial.set_user_attr("status", f"skipped: {bits:.4f} bits cannot beat {float(best.value or 0):.4f}")
+                raise optuna.TrialPruned("cannot beat the best feasible bits")
+        measured = self.cache.get(scheme.name)
+        if measured is None:
+            use_partial = bool(self.prune_tokens) and not self.budget.needs_greedy
+            if use_partial:
+                partial = self.partial_cache.get(scheme.name)
+                if partial is None:
+                    partial = self._evaluate(scheme, self.prune_tokens)
+                    self.partial_cache[scheme.name] = partial
+                self._prune_partial(trial, partial)
+            measured = self._evaluate(scheme, None)
+            self.cache[scheme.name] = measured
+            trial.set_user_attr("status", "measured")
+            if self.on_measured is not None:
+                self.on_measured(scheme.name, measured)
+        else:
+            trial.set_user_attr("status", "cached: same scheme as an earlier trial")
+        value = metric_of(self.budget, measured)
+        trial.set_user_attr("calib", measured)
+        trial.set_user_attr("metric", value)
+        trial.set_constraint(CONSTRAINT, self.budget.violation(value))
+        return bits

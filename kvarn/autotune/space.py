@@ -1,0 +1,243 @@
+"""The search space (Optuna parameters -> a valid :class:`~kvarn.schemes.Scheme`) and the
+per-layer sensitivity pass that orders layers for mixed precision.
+
+Parameters of one trial:
+
+* ``kv`` -- base key/value bits, e.g. ``"k4v2"``; keys never get fewer bits than values unless
+  ``allow_kv_inversion`` (keys feed every attention score, values only a weighted sum);
+* ``group_size``, ``rotation``, ``norm_iters``, ``scale_dtype``, ``sink_tile``;
+* ``n_protect`` / ``protect`` -- the ``n_protect`` most sensitive layers get ``protect`` bits
+  (or stay unquantized, ``"fp16"``);
+* ``n_demote`` / ``demote`` -- the ``n_demote`` least sensitive layers get ``demote`` bits.
+
+Every combination maps to a valid scheme: bit pairs come from one fixed list of allowed pairs, and
+the layer tiers are disjoint by construction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from kvarn.schemes import ALLOWED_BITS, LayerOverride, Scheme
+
+ALLOWED_ROTATIONS: tuple[str, ...] = ("hadamard", "rhadamard", "none")
+NORM_ITERS: tuple[int, ...] = (0, 2, 4, 8, 16)
+SCALE_DTYPES: tuple[str, ...] = ("fp16", "log8")
+FP16 = "fp16"
+
+
+def kv_pairs(bits: Sequence[int] = ALLOWED_BITS, allow_inversion: bool = False) -> tuple[str, ...]:
+    """Allowed ``"k{K}v{V}"`` pairs, ordered by total bits then key bits."""
+    pairs = [(k, v) for k in bits for v in bits if allow_inversion or k >= v]
+    return tuple(f"k{k}v{v}" for k, v in sorted(pairs, key=lambda p: (p[0] + p[1], p[0])))
+
+
+def parse_pair(pair: str) -> tuple[int, int]:
+    """``"k4v2"`` -> ``(4, 2)``."""
+    k, v = pair[1:].split("v")
+    return int(k), int(v)
+
+
+def _runs(layers: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted layer indices -> maximal consecutive ``(first, last)`` runs."""
+    out: list[tuple[int, int]] = []
+    for layer in sorted(layers):
+        if out and layer == out[-1][1] + 1:
+            out[-1] = (out[-1][0], layer)
+        else:
+            out.append((layer, layer))
+    return out
+
+
+def tier_overrides(layers: Sequence[int], pair: str | None) -> tuple[LayerOverride, ...]:
+    """Overrides giving ``layers`` the bit pair ``pair`` (``None`` or ``"fp16"`` = unquantized)."""
+    if pair is None or pair == FP16:
+        return tuple(LayerOverride(a, b) for a, b in _runs(layers))
+    k, v = parse_pair(pair)
+    return tuple(LayerOverride(a, b, k, v) for a, b in _runs(layers))
+
+
+def only_layer(scheme: Scheme, layer: int, num_layers: int) -> Scheme:
+    """``scheme`` on layer ``layer`` only; every other layer unquantized (for sensitivity probes)."""
+    others = [i for i in range(num_layers) if i != layer]
+    return Scheme(
+        scheme.key_bits,
+        scheme.value_bits,
+        scheme.group_size,
+        scheme.rotation,
+        scheme.norm_iters,
+        scheme.scale_dtype,
+        scheme.sink_tile,
+        tier_overrides(others, None),
+    )
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the tuner may choose. ``ranking`` lists layers most sensitive first.
+
+    Example:
+        >>> space = SearchSpace(num_layers=4, ranking=(3, 0, 1, 2))
+        >>> space.build({"kv": "k4v2", "group_size": 128, "rotation": "hadamard", "norm_iters": 8,
+        ...              "scale_dtype": "fp16", "sink_tile": False, "n_protect": 1, "protect": "fp16",
+        ...              "n_demote": 2, "demote": "k2v2"}).name
+        'kvarn_k4v2_g128_L1-2k2v2_L3fp16'
+    """
+
+    num_layers: int
+    ranking: tuple[int, ...] = ()
+    bits: tuple[int, ...] = ALLOWED_BITS
+    group_sizes: tuple[int, ...] = (32, 64, 128, 256)
+    rotations: tuple[str, ...] = ALLOWED_ROTATIONS
+    norm_iters: tuple[int, ...] = NORM_ITERS
+    scale_dtypes: tuple[str, ...] = SCALE_DTYPES
+    sink_tile: tuple[bool, ...] = (False, True)
+    allow_kv_inversion: bool = False
+    per_layer: bool = True
+    max_protect: int = 4
+    demote_step: int = 0  # 0: about a tenth of the layers
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers={self.num_layers} must be >= 1")
+        ranking = self.ranking or tuple(range(self.num_layers))
+        if sorted(ranking) != list(range(self.num_layers)):
+            raise ValueError(f"ranking {ranking} must be a permutation of 0..{self.num_layers - 1}")
+        object.__setattr__(self, "ranking", tuple(ranking))
+        if not self.group_sizes:
+            raise ValueError("no group size left to search; allow at least one")
+
+    @property
+    def pairs(self) -> tuple[str, ...]:
+        return kv_pairs(self.bits, self.allow_kv_inversion)
+
+    @property
+    def step(self) -> int:
+        return self.demote_step or max(1, self.num_layers // 10)
+
+    def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
+        """Sample one trial's parameters (define-by-run; conditional tier bits)."""
+        p: dict[str, Any] = {
+            "kv": trial.suggest_categorical("kv", self.pairs),
+            "group_size": trial.suggest_categorical("group_size", self.group_sizes),
+            "rotation": trial.suggest_categorical("rotation", self.rotations),
+            "norm_iters": trial.suggest_categorical("norm_iters", self.norm_iters),
+            "scale_dtype": trial.suggest_categorical("scale_dtype", self.scale_dtypes),
+            "sink_tile": trial.suggest_categorical("sink_tile", self.sink_tile),
+            "n_protect": 0,
+            "n_demote": 0,
+        }
+        if self.per_layer:
+            p["n_protect"] = trial.suggest_int("n_protect", 0, min(self.max_protect, self.num_layers))
+            if p["n_protect"]:
+                p["protect"] = trial.suggest_categorical("protect", (FP16, *self.pairs))
+            p["n_demote"] = trial.suggest_int(
+                "n_demote", 0, self.num_layers - self.num_layers % self.step, step=self.step
+            )
+            if p["n_demote"]:
+                p["demote"] = trial.suggest_categorical("demote", self.pairs)
+        return p
+
+    def build(self, p: dict[str, Any]) -> Scheme:
+        """Parameters -> scheme. Tiers: protected (most sensitive), demoted (least), the rest base."""
+        k, v = parse_pair(p["kv"])
+        n_protect = min(int(p.get("n_protect", 0)), self.num_layers)
+        n_demote = min(int(p.get("n_demote", 0)), self.num_layers - n_protect)
+        protected = list(self.ranking[:n_protect])
+        demoted = list(self.ranking[self.num_layers - n_demote :]) if n_demote else []
+        overrides: list[LayerOverride] = []
+        if protected and p.get("protect") != p["kv"]:
+            overrides += tier_overrides(protected, p.get("protect"))
+        if demoted and p.get("demote") != p["kv"]:
+            overrides += tier_overrides(demoted, p.get("demote"))
+        return Scheme(
+            key_bits=k,
+            value_bits=v,
+            group_size=int(p["group_size"]),
+            rotation=p["rotation"],
+            norm_iters=int(p["norm_iters"]),
+            scale_dtype=p["scale_dtype"],
+            sink_tile=bool(p["sink_tile"]),
+            overrides=tuple(overrides),
+        )
+
+    def sample(self, trial: optuna.Trial) -> Scheme:
+        """One trial -> one valid scheme."""
+        return self.build(self.suggest(trial))
+
+    def seeds(self) -> list[dict[str, Any]]:
+        """Starting points enqueued before the sampler takes over: the shipped layout and two
+        cheaper neighbours (log8 scales; 3-bit keys), where the space allows them."""
+        out = []
+        for kv, scale in (("k4v2", "fp16"), ("k4v2", "log8"), ("k3v2", "log8")):
+            g = 128 if 128 in self.group_sizes else max(self.group_sizes)
+            if kv in self.pairs and scale in self.scale_dtypes:
+                p: dict[str, Any] = {
+                    "kv": kv,
+                    "group_size": g,
+                    "rotation": self.rotations[0],
+                    "norm_iters": 8 if 8 in self.norm_iters else self.norm_iters[-1],
+                    "scale_dtype": scale,
+                    "sink_tile": self.sink_tile[0],
+                }
+                if self.per_layer:
+                    p.update(n_protect=0, n_demote=0)
+                out.append(p)
+        return out
+
+
+# ---- per-layer sensitivity --------------------------------------------------------------------
+
+
+def sensitivity_key(model: str, text_sha256: str, tokens: int, probe: str, num_layers: int) -> str:
+    """Cache key of one sensitivity pass (model, text hash, tokens, probe scheme)."""
+    raw = json.dumps([model, text_sha256, tokens, probe, num_layers])
+    return hashlib.sha256(raw.encode()).hexdigest()[:20]
+
+
+def layer_sensitivity(
+    measure: Callable[[Scheme], float],
+    num_layers: int,
+    probe: Scheme,
+    cache_file: Path | None = None,
+    progress: bool = True,
+) -> list[float]:
+    """KL (or any metric) when only one layer is quantized with ``probe``, for every layer.
+
+    Args:
+        measure: scheme -> metric on a short prefix (higher = more damage).
+        num_layers: layers of the model.
+        probe: low-bit scheme applied to one layer at a time; the other layers stay unquantized.
+        cache_file: JSON cache; reused when present (its key is in the file name).
+        progress: show a tqdm bar.
+
+    Returns:
+        ``num_layers`` floats, index = layer.
+    """
+    if cache_file is not None and cache_file.is_file():
+        data = json.loads(cache_file.read_text())
+        if len(data.get("sensitivity", [])) == num_layers:
+            return [float(x) for x in data["sensitivity"]]
+    from tqdm import tqdm
+
+    out = []
+    for layer in tqdm(range(num_layers), desc="layer sensitivity", disable=not progress, leave=False):
+        out.append(float(measure(only_layer(probe, layer, num_layers))))
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"probe": probe.name, "sensitivity": out}))
+        tmp.replace(cache_file)
+    return out
+
+
+def ranking(sensitivity: Sequence[float]) -> tuple[int, ...]:
+    """Layers ordered most sensitive first (ties: lower index first, so deterministic)."""
+    return tuple(sorted(range(len(sensitivity)), key=lambda i: (-sensitivity[i], i)))
