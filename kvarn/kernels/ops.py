@@ -22,11 +22,13 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
 
 from kvarn.codec.tiles import layout
 from kvarn.kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, KernelArgumentError, check_tensor, log8_table, rotation
+from kvarn.kernels._decode import decode_kernel, split_reduce_kernel
 from kvarn.kernels._store import store_side_kernel
-from kvarn.kernels.configs import KernelConfig, store_configs
+from kvarn.kernels.configs import KernelConfig, decode_configs, store_configs
 from kvarn.schemes.scheme import Scheme
 
 
@@ -132,5 +134,147 @@ def quantize_tiles_triton(keys: torch.Tensor, values: torch.Tensor, scheme: Sche
     return records.squeeze(1)
 
 
-def _unused() -> None:  # placeholder removed when decode lands
-    _ = math
+# split-K heuristic: below ~2 programs per SM the GPU idles, so split long contexts until it is
+# full, never into pieces of fewer than MIN_TILES_PER_SPLIT tiles (the partials cost a reduction)
+MIN_TILES_PER_SPLIT = 4
+MAX_SPLITS = 64
+_NOMINAL_SMS = 132  # an H100 SXM; used when no CUDA device is present (interpreter)
+
+
+def split_lengths(seq_lens: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Context lengths ``[B]`` -> ``(num_tiles, tail_lens, sink_lens)`` ``[B]`` int32 for this layout.
+
+    With ``scheme.sink_tile`` the first ``group_size`` tokens are sink tokens; otherwise
+    ``sink_lens`` is None. Every full tile after them is packed; the rest is the tail.
+    """
+    lens = seq_lens.to(torch.int32)
+    t = scheme.group_size
+    sink = torch.clamp(lens, max=t) if scheme.sink_tile else None
+    rest = lens - sink if sink is not None else lens
+    tiles = torch.div(rest, t, rounding_mode="floor")
+    return tiles.to(torch.int32), (rest - tiles * t).to(torch.int32), sink
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, device: torch.device) -> int:
+    """Split-K factor for decode: 1 when batch x KV heads already fills the GPU or contexts are short."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _NOMINAL_SMS
+    programs = batch * num_kv_heads
+    if programs >= sms or max_tiles < 2 * MIN_TILES_PER_SPLIT:
+        return 1
+    return max(1, min(math.ceil(2 * sms / programs), max_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
+def decode_attention(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_tiles: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    tail_lens: torch.Tensor,
+    scheme: Scheme,
+    *,
+    sink_k: torch.Tensor | None = None,
+    sink_v: torch.Tensor | None = None,
+    sink_lens: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Attention of one new query token per sequence over its paged, packed context.
+
+    Args:
+        query: ``[B, num_q_heads, D]`` fp16/bf16/fp32, unrotated; query head ``h`` reads KV head
+            ``h // (num_q_heads // num_kv_heads)``.
+        cache: ``[num_blocks, num_kv_heads, tile_bytes]`` uint8.
+        block_table: ``[B, max_blocks]`` int32; the first ``num_tiles[b]`` entries are read.
+        num_tiles: ``[B]`` int32 full tiles per sequence.
+        tail_k, tail_v: ``[B, num_kv_heads, group_size, D]`` fp16/bf16/fp32, unrotated, last axis
+            contiguous, same strides; ``tail_lens`` ``[B]`` int32 valid tokens (0..group_size).
+        scheme: a scheme without per-layer overrides.
+        sink_k, sink_v, sink_lens: the unquantized first tile, like the tail (required when
+            ``scheme.sink_tile``).
+        sm_scale: softmax scale, default ``1/sqrt(D)``.
+        num_splits: split-K factor; default :func:`choose_num_splits` (1 = no split).
+        out: optional ``[B, num_q_heads, D]`` output buffer.
+        config: launch options; default ``configs.decode_configs(...)[0]``.
+
+    Returns:
+        ``[B, num_q_heads, D]`` in ``query``'s dtype (``out`` when given). A sequence with no
+        token at all gets zeros.
+    """
+    if query.dim() != 3:
+        raise KernelArgumentError(f"query must be [batch, num_q_heads, head_dim], got {list(query.shape)}")
+    bsz, hq, d = query.shape
+    _check_scheme(scheme, d)
+    dev, t = query.device, scheme.group_size
+    check_tensor("query", query, (bsz, hq, d), FLOAT_DTYPES, dev)
+    if cache.dim() != 3:
+        raise KernelArgumentError(f"cache must be [num_blocks, num_kv_heads, tile_bytes], got {list(cache.shape)}")
+    hkv = cache.shape[1]
+    if hq % hkv:
+        raise KernelArgumentError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
+    _check_cache(cache, scheme, hkv, d, dev)
+    check_tensor("block_table", block_table, (bsz, None), (torch.int32,), dev)
+    for name, lens in (("num_tiles", num_tiles), ("tail_lens", tail_lens)):
+        check_tensor(name, lens, (bsz,), (torch.int32,), dev)
+    check_tensor("tail_k", tail_k, (bsz, hkv, t, d), FLOAT_DTYPES, dev)
+    check_tensor("tail_v", tail_v, (bsz, hkv, t, d), (tail_k.dtype,), dev)
+    if tail_k.stride() != tail_v.stride():
+        raise KernelArgumentError(
+            f"tail_k and tail_v must have the same strides, got {tail_k.stride()} and {tail_v.stride()}"
+        )
+    has_sink = sink_k is not None
+    if scheme.sink_tile and not has_sink:
+        raise KernelArgumentError(f"scheme {scheme.name} keeps a sink tile: pass sink_k, sink_v and sink_lens")
+    if has_sink:
+        if sink_v is None or sink_lens is None:
+            raise KernelArgumentError("sink_k, sink_v and sink_lens go together")
+        check_tensor("sink_k", sink_k, (bsz, hkv, t, d), FLOAT_DTYPES, dev)
+        check_tensor("sink_v", sink_v, (bsz, hkv, t, d), (sink_k.dtype,), dev)
+        check_tensor("sink_lens", sink_lens, (bsz,), (torch.int32,), dev)
+        if sink_k.stride() != sink_v.stride():
+            raise KernelArgumentError("sink_k and sink_v must have the same strides")
+    sk, sv, sl = (sink_k, sink_v, sink_lens) if has_sink else (tail_k, tail_v, tail_lens)
+    assert sk is not None and sv is not None and sl is not None
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    check_tensor("out", out, (bsz, hq, d), FLOAT_DTYPES, dev)
+    splits = num_splits if num_splits is not None else choose_num_splits(bsz, hkv, block_table.shape[1], dev)
+    if not 1 <= splits <= 1024:
+        raise KernelArgumentError(f"num_splits={splits} must be in 1..1024")
+    if bsz == 0:
+        return out
+    group = hq // hkv
+    lay = layout(scheme, d)
+    cfg = config or decode_configs(scheme, d, group)[0]
+    if splits > 1:
+        part = torch.empty(bsz * hq, splits, d, dtype=torch.float32, device=dev)
+        ml = torch.empty(bsz * hq, splits, 2, dtype=torch.float32, device=dev)
+        dst, sob, soh = part, 0, 0
+    else:
+        part = ml = out  # ml unused without splits
+        dst, sob, soh = out, out.stride(0), out.stride(1)
+    decode_kernel[(bsz, hkv, splits)](
+        query, query.stride(0), query.stride(1),
+        cache, cache.stride(0), cache.stride(1),
+        block_table, block_table.stride(0), num_tiles,
+        tail_k, tail_v, tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_lens,
+        sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), sl,
+        rotation(scheme.rotation, d, dev), log8_table(dev),
+        dst, ml, sob, soh,
+        (sm_scale if sm_scale is not None else d**-0.5) * math.log2(math.e),
+        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), S=splits,
+        KB=scheme.key_bits, VB=scheme.value_bits, T=t, D=d,
+        LOG8=scheme.scale_dtype == "log8", ROTATE=scheme.rotation != "none", HAS_SINK=has_sink,
+        KC=lay.key_codes, VC=lay.value_codes, KS=lay.key_scale, KO=lay.key_offset, KF=lay.key_factor,
+        VS=lay.value_scale, VO=lay.value_offset, VF=lay.value_factor,
+        **cfg.launch_kwargs(),
+    )  # fmt: skip
+    if splits > 1:
+        split_reduce_kernel[(bsz * hq,)](
+            part, ml, out, out.stride(0), out.stride(1), hq,
+            S=splits, BLOCK_S=triton.next_power_of_2(splits), D=d,
+        )  # fmt: skip
+    return out
