@@ -47,18 +47,18 @@ def load_offset(rec, idx, scale, LOG8: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(s, m, l, acc_rot, acc_plain):
-    """Online softmax: fold scores ``s`` [BLOCK_G, N] (base 2, -inf = masked) into (m, l, accs)."""
+def _softmax_step(s, m, lsum, acc_rot, acc_plain):
+    """Online softmax: fold scores ``s`` [BLOCK_G, N] (base 2, -inf = masked) into (m, lsum, accs)."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep every weight 0
     alpha = tl.exp2(m - m_use)
     p = tl.exp2(s - m_use[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    return p, m_new, l, acc_rot * alpha[:, None], acc_plain * alpha[:, None]
+    lsum = lsum * alpha + tl.sum(p, axis=1)
+    return p, m_new, lsum, acc_rot * alpha[:, None], acc_plain * alpha[:, None]
 
 
 @triton.jit
-def _plain_tokens(kv_k, kv_v, n_valid, qs, m, l, acc_rot, acc_plain, stride_t, T: tl.constexpr, D: tl.constexpr):
+def _plain_tokens(kv_k, kv_v, n_valid, qs, m, lsum, acc_rot, acc_plain, stride_t, T: tl.constexpr, D: tl.constexpr):
     """Attend ``n_valid`` unquantized, unrotated tokens (sink or tail) at ``kv_k``/``kv_v``."""
     t = tl.arange(0, T)
     d = tl.arange(0, D)
@@ -66,10 +66,10 @@ def _plain_tokens(kv_k, kv_v, n_valid, qs, m, l, acc_rot, acc_plain, stride_t, T
     kt = tl.load(kv_k + t[None, :] * stride_t + d[:, None], mask=valid[None, :], other=0.0).to(tl.float32)
     s = tl.dot(qs, kt)
     s = tl.where(valid[None, :], s, float("-inf"))
-    p, m, l, acc_rot, acc_plain = _softmax_step(s, m, l, acc_rot, acc_plain)
+    p, m, lsum, acc_rot, acc_plain = _softmax_step(s, m, lsum, acc_rot, acc_plain)
     v = tl.load(kv_v + t[:, None] * stride_t + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     acc_plain += tl.dot(p, v)
-    return m, l, acc_rot, acc_plain
+    return m, lsum, acc_rot, acc_plain
 
 
 @triton.jit
@@ -130,20 +130,20 @@ def decode_kernel(
     gmask = g < G
     q = tl.load(q_ptr + b * stride_qb + (hk * G + g)[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
     qs = q.to(tl.float32) * qk_scale
-    if ROTATE:
+    if ROTATE:  # noqa: SIM108  (constexpr branches, not a runtime choice)
         qr = tl.dot(qs, tl.load(rot_ptr + d[:, None] * D + d[None, :]))
     else:
         qr = qs
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_G,), tl.float32)
+    lsum = tl.zeros((BLOCK_G,), tl.float32)
     acc_rot = tl.zeros((BLOCK_G, D), tl.float32)
     acc_plain = tl.zeros((BLOCK_G, D), tl.float32)
 
-    if HAS_SINK:
+    if HAS_SINK:  # noqa: SIM102  (constexpr guard around a runtime condition)
         if split == 0:
             sink = b.to(tl.int64) * stride_sb + hk * stride_sh
-            m, l, acc_rot, acc_plain = _plain_tokens(
-                sink_k_ptr + sink, sink_v_ptr + sink, tl.load(sink_len_ptr + b), qs, m, l, acc_rot, acc_plain,
+            m, lsum, acc_rot, acc_plain = _plain_tokens(
+                sink_k_ptr + sink, sink_v_ptr + sink, tl.load(sink_len_ptr + b), qs, m, lsum, acc_rot, acc_plain,
                 stride_st, T, D,
             )  # fmt: skip
 
@@ -160,7 +160,7 @@ def decode_kernel(
         kf = load_positive(rec + KF, t, lut_ptr, LOG8)
         s = tl.dot(qr * ks[None, :], kcode) + tl.sum(qr * ko[None, :], axis=1)[:, None]
         s = s * kf[None, :]
-        p, m, l, acc_rot, acc_plain = _softmax_step(s, m, l, acc_rot, acc_plain)
+        p, m, lsum, acc_rot, acc_plain = _softmax_step(s, m, lsum, acc_rot, acc_plain)
         vcode = load_codes(rec + VC, t[:, None], d[None, :], VB, T, D).to(tl.float32)  # [T, D]
         vs = load_positive(rec + VS, t, lut_ptr, LOG8)
         vo = load_offset(rec + VO, t, vs, LOG8)
@@ -170,8 +170,8 @@ def decode_kernel(
 
     if split == S - 1:
         tail = b.to(tl.int64) * stride_tb + hk * stride_th
-        m, l, acc_rot, acc_plain = _plain_tokens(
-            tail_k_ptr + tail, tail_v_ptr + tail, tl.load(tail_len_ptr + b), qs, m, l, acc_rot, acc_plain,
+        m, lsum, acc_rot, acc_plain = _plain_tokens(
+            tail_k_ptr + tail, tail_v_ptr + tail, tl.load(tail_len_ptr + b), qs, m, lsum, acc_rot, acc_plain,
             stride_tt, T, D,
         )  # fmt: skip
 
@@ -180,14 +180,14 @@ def decode_kernel(
     acc = acc_rot + acc_plain
     hq = hk * G + g
     if S == 1:
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
         o_ptr = out_ptr + b * stride_ob + hq[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
     else:
         row = (b * (tl.num_programs(1) * G) + hq) * S + split  # [B, Hq, S] flattened
         tl.store(out_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
         tl.store(ml_ptr + row * 2, m, mask=gmask)
-        tl.store(ml_ptr + row * 2 + 1, l, mask=gmask)
+        tl.store(ml_ptr + row * 2 + 1, lsum, mask=gmask)
 
 
 @triton.jit
@@ -209,11 +209,11 @@ def split_reduce_kernel(
     d = tl.arange(0, D)
     smask = s < S
     m = tl.load(ml_ptr + (row * S + s) * 2, mask=smask, other=float("-inf"))
-    l = tl.load(ml_ptr + (row * S + s) * 2 + 1, mask=smask, other=0.0)
+    lsum = tl.load(ml_ptr + (row * S + s) * 2 + 1, mask=smask, other=0.0)
     acc = tl.load(part_ptr + (row * S + s)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
     m_max = tl.max(m, axis=0)
     m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_use)
-    denom = tl.sum(w * l, axis=0)
+    denom = tl.sum(w * lsum, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))

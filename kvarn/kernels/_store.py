@@ -42,7 +42,7 @@ def _fp16_store(x, ROUND_UP: tl.constexpr):
 def _log8_store(x, lut_ptr, ROUND_UP: tl.constexpr):
     """float32 >= 0 -> (log8 byte as int32, its float32 value read from the reference table)."""
     e = tl.log2(tl.maximum(x, LOG8_MIN)) * LOG8_STEPS
-    if ROUND_UP:
+    if ROUND_UP:  # noqa: SIM108  (constexpr branches)
         e = tl.ceil(e - 1e-4)
     else:
         e = tl.floor(e + 0.5)
@@ -145,7 +145,7 @@ def store_side_kernel(
             y = x * tl.exp(-log_r - log_c)
             log_r = log_r + _floored_log_std(y, 1, D, T)
             log_r = log_r - tl.sum(log_r, axis=0, keep_dims=True) / T
-        if PER_CHANNEL:
+        if PER_CHANNEL:  # noqa: SIM108  (constexpr branches)
             fv = tl.exp(log_r) * base
         else:
             fv = tl.exp(log_c) * base
