@@ -20,6 +20,8 @@ class KernelConfig:
 
     num_warps: int = 4
     num_stages: int = 1
+    block_m: int = 16  # query rows per program (prefill only)
+    block_n: int = 32  # keys per inner step (prefill only)
 
     def launch_kwargs(self) -> dict[str, int]:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -46,4 +48,5 @@ def dequant_configs(scheme: Scheme, head_dim: int) -> list[KernelConfig]:
 
 def prefill_configs(head_dim: int) -> list[KernelConfig]:
     """Prefill attention over the dense workspace: one program per (query block, query head)."""
-    return [KernelConfig(4 if head_dim <= 64 else 8, 2), KernelConfig(4, 3)]
+    warps = 4 if head_dim <= 64 else 8
+    return [KernelConfig(warps, 2, 64, 64), KernelConfig(4, 3, 32, 64), KernelConfig(warps, 2, 16, 32)]

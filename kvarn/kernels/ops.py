@@ -27,8 +27,9 @@ import triton
 from kvarn.codec.tiles import layout
 from kvarn.kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, KernelArgumentError, check_tensor, log8_table, rotation
 from kvarn.kernels._decode import decode_kernel, split_reduce_kernel
+from kvarn.kernels._prefill import dequant_tiles_kernel, prefill_kernel
 from kvarn.kernels._store import store_side_kernel
-from kvarn.kernels.configs import KernelConfig, decode_configs, store_configs
+from kvarn.kernels.configs import KernelConfig, decode_configs, dequant_configs, prefill_configs, store_configs
 from kvarn.schemes.scheme import Scheme
 
 
@@ -277,4 +278,134 @@ def decode_attention(
             part, ml, out, out.stride(0), out.stride(1), hq,
             S=splits, BLOCK_S=triton.next_power_of_2(splits), D=d,
         )  # fmt: skip
+    return out
+
+
+def _check_staging(
+    name: str,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: torch.Tensor,
+    bsz: int,
+    hkv: int,
+    t: int,
+    d: int,
+    dev: torch.device,
+) -> None:
+    check_tensor(f"{name}_k", k, (bsz, hkv, t, d), FLOAT_DTYPES, dev)
+    check_tensor(f"{name}_v", v, (bsz, hkv, t, d), (k.dtype,), dev)
+    check_tensor(f"{name}_lens", lens, (bsz,), (torch.int32,), dev)
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_tiles: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    tail_lens: torch.Tensor,
+    scheme: Scheme,
+    *,
+    sink_k: torch.Tensor | None = None,
+    sink_v: torch.Tensor | None = None,
+    sink_lens: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of new tokens (prefill or a prefill chunk) over cached context plus themselves.
+
+    The cached context of sequence ``b`` is described exactly as for :func:`decode_attention`
+    (sink, ``num_tiles[b]`` packed tiles, ``tail_lens[b]`` tail tokens; all zero for a first
+    chunk); the new tokens follow it. Packed tiles are dequantized into a workspace of
+    ``query.dtype`` (``[B, Hkv, L, D]``, ``L`` the longest context): correct first, not fused.
+
+    Args:
+        query: ``[total_q, num_q_heads, D]`` new tokens of all sequences, packed by sequence.
+        key, value: ``[total_q, num_kv_heads, D]`` their keys and values (unrotated).
+        cu_seqlens_q: ``[B + 1]`` int32 start offsets of each sequence's tokens in ``query``.
+        cache, block_table, num_tiles, tail_k, tail_v, tail_lens, scheme, sink_k, sink_v,
+            sink_lens, sm_scale: as in :func:`decode_attention`.
+        out: optional ``[total_q, num_q_heads, D]`` output.
+        config: launch options of the attention kernel (``configs.prefill_configs``).
+
+    Returns:
+        ``[total_q, num_q_heads, D]`` in ``query``'s dtype.
+    """
+    if query.dim() != 3 or key.dim() != 3:
+        raise KernelArgumentError(
+            f"query and key must be [tokens, heads, head_dim], got {list(query.shape)}, {list(key.shape)}"
+        )
+    total, hq, d = query.shape
+    _check_scheme(scheme, d)
+    dev, t, hkv = query.device, scheme.group_size, key.shape[1]
+    if hq % hkv:
+        raise KernelArgumentError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
+    check_tensor("query", query, (total, hq, d), FLOAT_DTYPES, dev)
+    check_tensor("key", key, (total, hkv, d), FLOAT_DTYPES, dev)
+    check_tensor("value", value, (total, hkv, d), (key.dtype,), dev)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, (None,), (torch.int32,), dev)
+    bsz = cu_seqlens_q.shape[0] - 1
+    if bsz < 0:
+        raise KernelArgumentError("cu_seqlens_q must hold at least one entry (0)")
+    _check_cache(cache, scheme, hkv, d, dev)
+    check_tensor("block_table", block_table, (bsz, None), (torch.int32,), dev)
+    check_tensor("num_tiles", num_tiles, (bsz,), (torch.int32,), dev)
+    _check_staging("tail", tail_k, tail_v, tail_lens, bsz, hkv, t, d, dev)
+    if scheme.sink_tile and sink_k is None:
+        raise KernelArgumentError(f"scheme {scheme.name} keeps a sink tile: pass sink_k, sink_v and sink_lens")
+    if sink_k is not None:
+        if sink_v is None or sink_lens is None:
+            raise KernelArgumentError("sink_k, sink_v and sink_lens go together")
+        _check_staging("sink", sink_k, sink_v, sink_lens, bsz, hkv, t, d, dev)
+    if out is None:
+        out = torch.empty(total, hq, d, dtype=query.dtype, device=dev)
+    check_tensor("out", out, (total, hq, d), FLOAT_DTYPES, dev)
+    if bsz == 0 or total == 0:
+        return out
+    # host-side lengths: prefill is not captured in CUDA graphs, and the workspace needs them
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    sinks = sink_lens.tolist() if sink_lens is not None else [0] * bsz
+    tiles, tails = num_tiles.tolist(), tail_lens.tolist()
+    cached = [s + n * t + r for s, n, r in zip(sinks, tiles, tails, strict=True)]
+    ctx = [c + n for c, n in zip(cached, q_lens, strict=True)]
+    ws_k = torch.zeros(bsz, hkv, max(max(ctx), 1), d, dtype=query.dtype, device=dev)
+    ws_v = torch.zeros_like(ws_k)
+    starts = cu_seqlens_q.tolist()
+    for b in range(bsz):  # unquantized pieces: sink, tail, new tokens
+        s0, p0 = sinks[b], sinks[b] + tiles[b] * t
+        if s0 and sink_k is not None and sink_v is not None:
+            ws_k[b, :, :s0], ws_v[b, :, :s0] = sink_k[b, :, :s0], sink_v[b, :, :s0]
+        ws_k[b, :, p0 : cached[b]] = tail_k[b, :, : tails[b]]
+        ws_v[b, :, p0 : cached[b]] = tail_v[b, :, : tails[b]]
+        ws_k[b, :, cached[b] : ctx[b]] = key[starts[b] : starts[b + 1]].transpose(0, 1)
+        ws_v[b, :, cached[b] : ctx[b]] = value[starts[b] : starts[b + 1]].transpose(0, 1)
+    max_tiles = max(tiles)
+    if max_tiles:
+        lay = layout(scheme, d)
+        first = torch.tensor(sinks, dtype=torch.int32, device=dev)
+        dequant_tiles_kernel[(bsz, max_tiles, hkv)](
+            cache, cache.stride(0), cache.stride(1), block_table, block_table.stride(0), num_tiles, first,
+            rotation(scheme.rotation, d, dev), log8_table(dev),
+            ws_k, ws_v, ws_k.stride(0), ws_k.stride(1), ws_k.stride(2),
+            KB=scheme.key_bits, VB=scheme.value_bits, T=t, D=d,
+            LOG8=scheme.scale_dtype == "log8", ROTATE=scheme.rotation != "none",
+            KC=lay.key_codes, VC=lay.value_codes, KS=lay.key_scale, KO=lay.key_offset, KF=lay.key_factor,
+            VS=lay.value_scale, VO=lay.value_offset, VF=lay.value_factor,
+            **dequant_configs(scheme, d)[0].launch_kwargs(),
+        )  # fmt: skip
+    cfg = config or prefill_configs(d)[0]
+    ctx_t = torch.tensor(ctx, dtype=torch.int32, device=dev)
+    prefill_kernel[(triton.cdiv(max(q_lens), cfg.block_m), bsz, hq)](
+        query, query.stride(0), query.stride(1), cu_seqlens_q, ctx_t,
+        ws_k, ws_v, ws_k.stride(0), ws_k.stride(1), ws_k.stride(2),
+        out, out.stride(0), out.stride(1),
+        (sm_scale if sm_scale is not None else d**-0.5) * math.log2(math.e),
+        G=hq // hkv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        **cfg.launch_kwargs(),
+    )  # fmt: skip
     return out
