@@ -1,0 +1,283 @@
+"""The kvarn attention backend for vLLM: pages of packed tiles, staging of partial tiles.
+
+Page layout (``[num_blocks, num_kv_heads, 1, page_bytes]`` uint8 per layer, vLLM's LBHNC layout):
+one vLLM block is one tile of ``group_size`` tokens per KV head, and its state is the packed
+record of :func:`kvarn.codec.quantize_tiles`, so ``page_bytes = scheme.tile_bytes(head_dim)``
+(the largest over layers when a preset overrides bit widths per layer). vLLM derives the number
+of blocks, and so the KV tokens it reports, from this page size.
+
+Partially filled tiles live in staging slots (see :mod:`kvarn.vllm.staging`), planned once per
+step by :class:`KvarnMetadataBuilder`. Compute: :mod:`kvarn.vllm.torch_path`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from kvarn.schemes import Scheme, get_preset
+from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
+from kvarn.vllm import torch_path
+from kvarn.vllm.plugin import is_kvarn_dtype, staging_slots
+from kvarn.vllm.staging import RequestPlan, StagingPool
+
+logger = logging.getLogger("kvarn.vllm")
+
+
+def _scheme_of(cache_dtype: str) -> Scheme:
+    return get_preset(cache_dtype).scheme
+
+
+# (kv_cache_dtype, num_layers) of this process, recorded when the model's attention layers are
+# built (a vLLM config is current then); customize_spec runs later, when none may be.
+_ACTIVE: dict[str, tuple[str, int]] = {}
+
+
+def _record_active(config: VllmConfig) -> None:
+    layers = config.model_config.get_num_layers(config.parallel_config) if config.model_config else 1
+    _ACTIVE["current"] = (str(config.cache_config.cache_dtype), layers)
+
+
+def _active() -> tuple[Scheme, int]:
+    if "current" not in _ACTIVE:
+        raise RuntimeError("kvarn: no kvarn attention layer was built in this process")
+    name, layers = _ACTIVE["current"]
+    if not is_kvarn_dtype(name):
+        raise RuntimeError(f"the kvarn backend is active but kv_cache_dtype is {name!r}")
+    return _scheme_of(name), layers
+
+
+def page_bytes(scheme: Scheme, head_dim: int, num_layers: int) -> int:
+    """Bytes of one page per KV head: the largest tile record over the layers."""
+    if head_dim not in ALLOWED_HEAD_DIMS:
+        raise ValueError(
+            f"{scheme.name}: head_dim {head_dim} is not supported; supported: {', '.join(map(str, ALLOWED_HEAD_DIMS))}"
+        )
+    sizes = []
+    for layer in range(max(num_layers, 1)):
+        s = scheme.for_layer(layer)
+        if s is None:
+            raise ValueError(
+                f"{scheme.name}: layer {layer} is unquantized (fp16 override); the vLLM backend stores "
+                "every layer as packed tiles in one page size. Use a preset without fp16 layer overrides."
+            )
+        sizes.append(s.tile_bytes(head_dim))
+    return max(sizes)
+
+
+class KvarnAttentionBackend(AttentionBackend):
+    """Selected by the plugin whenever ``kv_cache_dtype`` is a kvarn preset name."""
+
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+
+    @staticmethod
+    def get_name() -> str:
+        return "KVARN"
+
+    @staticmethod
+    def get_impl_cls() -> type[KvarnAttentionImpl]:
+        return KvarnAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KvarnMetadataBuilder]:
+        return KvarnMetadataBuilder
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype: Any) -> bool:
+        return is_kvarn_dtype(kv_cache_dtype)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(ALLOWED_HEAD_DIMS)
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+        if kv_cache_spec is not None and isinstance(kv_cache_spec.tokens_per_state, int):
+            if kv_cache_spec.tokens_per_state > 1:
+                return [kv_cache_spec.tokens_per_state]  # one block = one tile, never split
+        return [MultipleOf(32)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """One state per block per KV head: the packed record (``tile_bytes``) of one tile."""
+        if spec.state_content_bytes is not None:
+            return spec
+        scheme, layers = _active()
+        return replace(
+            spec,
+            dtype=torch.uint8,
+            state_content_bytes=page_bytes(scheme, spec.head_size, layers),
+            tokens_per_state=scheme.group_size,
+        )
+
+
+@dataclass
+class KvarnMetadata:
+    """One step's plan, shared by every layer of the KV-cache group."""
+
+    num_actual_tokens: int
+    plans: list[RequestPlan]
+    num_slots: int
+
+
+class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
+    """Plans staging once per step; logs the staging memory at start-up."""
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.scheme = _scheme_of(vllm_config.cache_config.cache_dtype)
+        t = self.scheme.group_size
+        if kv_cache_spec.block_size != t:
+            raise ValueError(
+                f"kv_cache_dtype={self.scheme.name} needs block_size={t} (one vLLM block = one tile), "
+                f"got {kv_cache_spec.block_size}; pass block_size={t} (--block-size {t})"
+            )
+        max_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.pool = StagingPool(staging_slots(max_seqs), t)
+        dtype = vllm_config.model_config.dtype
+        per_slot = 2 * kv_cache_spec.num_kv_heads * t * kv_cache_spec.head_size * dtype.itemsize
+        total = per_slot * self.pool.num_slots * len(layer_names)
+        logger.warning(
+            "kvarn %s: staging for partial tiles = %d slots x %d layers x %d KiB = %.1f MiB (%s), "
+            "allocated next to the KV cache; %d slots serve max_num_seqs=%d running requests "
+            "(set KVARN_STAGING_SLOTS to change)",
+            self.scheme.name,
+            self.pool.num_slots,
+            len(layer_names),
+            per_slot // 1024,
+            total / 2**20,
+            dtype,
+            self.pool.num_slots,
+            max_seqs,
+        )
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> KvarnMetadata:
+        m = common_attn_metadata
+        n = m.num_reqs
+        qsl = m.query_start_loc_cpu[: n + 1].tolist()
+        seq_lens = m.seq_lens[:n].cpu().tolist()
+        t = self.scheme.group_size
+        table = m.block_table_tensor[:n].cpu()
+        rows = [table[i, : (s + t - 1) // t].tolist() for i, s in enumerate(seq_lens)]
+        plans = self.pool.plan(qsl, seq_lens, rows)
+        return KvarnMetadata(m.num_actual_tokens, plans, self.pool.num_slots)
+
+
+class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
+    """Per-layer attention over packed tiles plus staged and new tokens."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.scheme = _scheme_of(kv_cache_dtype)
+        bad = []
+        if sliding_window is not None:
+            bad.append(f"sliding window ({sliding_window})")
+        if alibi_slopes is not None:
+            bad.append("ALiBi")
+        if logits_soft_cap:
+            bad.append(f"logits soft cap ({logits_soft_cap})")
+        if kv_sharing_target_layer_name is not None:
+            bad.append("KV sharing between layers")
+        if kwargs.get("sinks") is not None:
+            bad.append("attention sinks")
+        if attn_type != AttentionType.DECODER:
+            bad.append(f"attention type {attn_type}")
+        if head_size not in ALLOWED_HEAD_DIMS:
+            bad.append(f"head_dim {head_size} (supported: {', '.join(map(str, ALLOWED_HEAD_DIMS))})")
+        if bad:
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} cannot serve this model: unsupported {', '.join(bad)}. "
+                "Serve it with another kv_cache_dtype."
+            )
+        config = get_current_vllm_config()
+        _record_active(config)
+        page_bytes(self.scheme, head_size, config.model_config.get_num_layers(config.parallel_config))
+        block = config.cache_config.block_size
+        if block != self.scheme.group_size:
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} needs block_size={self.scheme.group_size} "
+                f"(one vLLM block = one tile), got block_size={block}; pass "
+                f"block_size={self.scheme.group_size} (--block-size {self.scheme.group_size})"
+            )
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.layer_scheme: Scheme | None = None
+        self.stage: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _layer_scheme(self, layer: Any) -> Scheme:
+        if self.layer_scheme is None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            s = self.scheme.for_layer(extract_layer_index(layer.layer_name))
+            if s is None:  # rejected at start-up by page_bytes; kept for safety
+                raise ValueError(f"{self.scheme.name}: layer {layer.layer_name} is unquantized")
+            self.layer_scheme = s
+        return self.layer_scheme
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: KvarnMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query ``[N, Hq, D]``, key/value ``[N, H, D]``, kv_cache ``[B, H, 1, page_bytes]`` uint8."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("kvarn: fused output quantization is not supported")
+        if attn_metadata is None:  # profiling / warm-up
+            return output
+        scheme = self._layer_scheme(layer)
+        if self.stage is None or self.stage[0].shape[0] != attn_metadata.num_slots:
+            shape = (attn_metadata.num_slots, self.num_kv_heads, scheme.group_size, self.head_size)
+            self.stage = (
+                torch.zeros(shape, dtype=key.dtype, device=key.device),
+                torch.zeros(shape, dtype=key.dtype, device=key.device),
+            )
+        sk, sv = self.stage
+        out = output.view(-1, self.num_heads, self.head_size)
+        torch_path.attend(query, key, value, kv_cache, sk, sv, attn_metadata.plans, scheme, self.scale, out)
+        torch_path.commit(key, value, kv_cache, sk, sv, attn_metadata.plans, scheme)
+        return output

@@ -1,0 +1,195 @@
+"""The ``vllm.general_plugins`` entry point: kvarn presets become KV-cache dtypes of vLLM.
+
+``register()`` runs in every vLLM process (front end, engine core, each worker; vLLM calls it
+more than once, so it is idempotent). It
+
+1. registers every known preset name (built-ins, the bundled ``presets/`` folder, the folders in
+   ``KVARN_PRESET_PATH`` and the user preset folder, scanned at start-up) as a KV-cache dtype:
+   vLLM 0.33's ``register_kv_cache_dtype`` when present; on vLLM 0.32 by extending the closed
+   ``CacheDType`` Literal (every module that bound it), rebuilding the pydantic ``CacheConfig``,
+   clearing the cached argparse kwargs, and mapping the name to ``torch.uint8`` storage;
+2. routes attention to :class:`kvarn.vllm.backend.KvarnAttentionBackend` whenever the KV-cache
+   dtype is a kvarn name, by wrapping the platform's ``get_attn_backend_cls``; any other dtype
+   gets exactly what the platform chose before;
+3. makes an unknown ``kvarn_*`` name fail early, listing the known presets.
+
+Usage::
+
+    LLM(model=..., kv_cache_dtype="kvarn_k4v2_g128", block_size=128)
+    vllm serve MODEL --kv-cache-dtype kvarn_k4v2_g128 --block-size 128
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import typing
+from typing import Any
+
+import torch
+
+from kvarn.schemes import UnknownSchemeError, get_preset, list_presets
+
+logger = logging.getLogger("kvarn.vllm")
+
+PREFIX = "kvarn_"
+BACKEND_PATH = "kvarn.vllm.backend.KvarnAttentionBackend"
+BACKEND_NAME = "KVARN"
+STAGING_SLOTS_ENV = "KVARN_STAGING_SLOTS"
+_REGISTERED: set[str] = set()
+_PATCHED: set[str] = set()
+
+
+def is_kvarn_dtype(cache_dtype: object) -> bool:
+    """Whether a ``kv_cache_dtype`` value names a kvarn preset (by its ``kvarn_`` prefix)."""
+    return isinstance(cache_dtype, str) and cache_dtype.startswith(PREFIX)
+
+
+def staging_slots(max_num_seqs: int) -> int:
+    """Staging slots for partial tiles: ``KVARN_STAGING_SLOTS`` if set, else ``max_num_seqs``.
+
+    The entry point's module is the one place the plugin reads the environment.
+    """
+    raw = os.environ.get(STAGING_SLOTS_ENV, "")
+    if not raw:
+        return max_num_seqs
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{STAGING_SLOTS_ENV}={raw!r} must be a positive integer")
+    return int(raw)
+
+
+def known_names() -> list[str]:
+    """Every preset name found now: built-ins first, then user presets (scanned from disk)."""
+    return [p.name for p in list_presets()]
+
+
+def _extend_literal(names: list[str]) -> None:
+    """vLLM <= 0.32: add ``names`` to the closed ``CacheDType`` Literal and rebuild what cached it."""
+    from pydantic.dataclasses import rebuild_dataclass
+    from vllm.config import cache as cache_mod
+    from vllm.utils import torch_utils
+
+    old = cache_mod.CacheDType
+    current = typing.get_args(old)
+    missing = [n for n in names if n not in current]
+    for n in names:
+        torch_utils.STR_DTYPE_TO_TORCH_DTYPE.setdefault(n, torch.uint8)
+    if not missing:
+        return
+    new = typing.Literal[(*current, *missing)]  # type: ignore[valid-type]
+    for mod in list(sys.modules.values()):  # every module that did `from ... import CacheDType`
+        if getattr(mod, "__name__", "").startswith("vllm") and getattr(mod, "CacheDType", None) is old:
+            mod.CacheDType = new
+    cls = cache_mod.CacheConfig
+    cls.__annotations__["cache_dtype"] = new
+    if "cache_dtype" in getattr(cls, "__dataclass_fields__", {}):
+        cls.__dataclass_fields__["cache_dtype"].type = new
+    rebuild_dataclass(cls, force=True)
+    from vllm.engine import arg_utils
+
+    arg_utils.EngineArgs.__annotations__["kv_cache_dtype"] = new
+    if "kv_cache_dtype" in arg_utils.EngineArgs.__dataclass_fields__:
+        arg_utils.EngineArgs.__dataclass_fields__["kv_cache_dtype"].type = new
+    arg_utils._compute_kwargs.cache_clear()
+
+
+def register_dtypes(names: list[str]) -> None:
+    """Make each of ``names`` a valid ``kv_cache_dtype`` (packed bytes, stored as ``uint8``)."""
+    todo = [n for n in names if n not in _REGISTERED]
+    if not todo:
+        return
+    hook = _find_register_hook()
+    if hook is not None:  # vLLM >= 0.33
+        for n in todo:
+            hook(n, torch.uint8)
+    else:
+        _extend_literal(todo)
+    _REGISTERED.update(todo)
+
+
+def _find_register_hook() -> Any:
+    """vLLM 0.33's ``register_kv_cache_dtype`` if this vLLM has it (looked up where 0.33 puts it)."""
+    import importlib
+
+    for mod_name in ("vllm.config.cache", "vllm.utils.torch_utils", "vllm.config"):
+        try:
+            hook = getattr(importlib.import_module(mod_name), "register_kv_cache_dtype", None)
+        except ImportError:  # pragma: no cover - module layout differs
+            hook = None
+        if hook is not None:
+            return hook
+    return None
+
+
+def _patch_platform() -> None:
+    """Route attention to the kvarn backend while a kvarn dtype is active; nothing else changes."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    key = f"{cls.__module__}.{cls.__qualname__}"
+    if key in _PATCHED:
+        return
+    original = cls.get_attn_backend_cls  # bound classmethod
+
+    def get_attn_backend_cls(_cls: type, selected_backend: Any, attn_selector_config: Any, *a: Any, **kw: Any) -> str:
+        if not is_kvarn_dtype(attn_selector_config.kv_cache_dtype):
+            return str(original(selected_backend, attn_selector_config, *a, **kw))
+        name = attn_selector_config.kv_cache_dtype
+        if attn_selector_config.use_mla:
+            raise ValueError(
+                f"kv_cache_dtype={name!r}: MLA attention is not supported by kvarn (tiles are per KV "
+                "head of standard attention); use another kv_cache_dtype for this model"
+            )
+        if attn_selector_config.use_sparse:
+            raise ValueError(f"kv_cache_dtype={name!r}: sparse attention is not supported by kvarn")
+        return BACKEND_PATH
+
+    cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)  # type: ignore[method-assign,assignment]
+    _PATCHED.add(key)
+
+
+def _register_backend() -> None:
+    """Add ``KVARN`` to vLLM's attention backend enum (vLLM looks backends up by name)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if BACKEND_NAME not in AttentionBackendEnum.__members__ and not hasattr(AttentionBackendEnum, BACKEND_NAME):
+        register_backend(BACKEND_NAME, BACKEND_PATH)
+
+
+def _patch_engine_args() -> None:
+    """An unknown ``kvarn_*`` name fails when the engine arguments are made, listing the presets."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs, "_kvarn_checked", False):
+        return
+    original = EngineArgs.__post_init__
+
+    def __post_init__(self: Any) -> None:
+        name = getattr(self, "kv_cache_dtype", None)
+        if is_kvarn_dtype(name):
+            preset = get_preset(name)  # raises UnknownSchemeError listing the known names
+            register_dtypes([preset.name])  # canonical names not scanned at start-up
+        original(self)
+
+    EngineArgs.__post_init__ = __post_init__  # type: ignore[method-assign]
+    EngineArgs._kvarn_checked = True  # type: ignore[attr-defined]
+
+
+def register() -> None:
+    """Entry point (``vllm.general_plugins``): register kvarn dtypes and the attention backend."""
+    try:
+        names = known_names()
+    except Exception as e:  # a broken preset folder must not break vLLM for other dtypes
+        logger.warning("kvarn: could not list presets (%s); registering built-ins only", e)
+        from kvarn.schemes import BUILTINS
+
+        names = list(BUILTINS)
+    register_dtypes(names)
+    _register_backend()
+    _patch_platform()
+    _patch_engine_args()
+    logger.debug("kvarn: registered %d KV-cache dtypes: %s", len(names), ", ".join(names))
+
+
+__all__ = ["BACKEND_PATH", "UnknownSchemeError", "is_kvarn_dtype", "known_names", "register", "register_dtypes"]

@@ -1,0 +1,137 @@
+"""The vectorized PyTorch path of the kvarn backend (CPU, and CUDA until kernels are wired).
+
+One call per layer and step. Attention runs in the rotated domain: context tiles are decoded
+with the reference codec (``dequantize_tiles(rotated=True)``, all tiles of the step in one call),
+staged and new tokens are rotated, the query is rotated, and the output is un-rotated. Attention
+reads the cache as it was before this step: full context tiles from their packed pages, the staged
+part of a partial context tile from its staging slot, this step's own tokens unquantized (as a
+prefill chunk has them). Afterwards this step's tokens are committed: every tile that became full is
+quantized into its page (``quantize_tiles``, one call for the layer), the rest goes to staging.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvarn.codec import dequantize_tiles, quantize_tiles, rotate, unrotate
+from kvarn.schemes import Scheme
+from kvarn.vllm.staging import RequestPlan
+
+
+def _decode_context(
+    cache: torch.Tensor, plans: list[RequestPlan], scheme: Scheme, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rotated keys and values of every full context tile of the step: ``[M, H, T, D]`` float32 each."""
+    ids = [b for p in plans for b in p.ctx_blocks]
+    if not ids:
+        return None
+    nbytes = scheme.tile_bytes(head_dim)
+    idx = torch.tensor(ids, dtype=torch.long, device=cache.device)
+    rec = cache[idx, :, 0, :nbytes]  # [M, H, tile_bytes] uint8
+    m, h = rec.shape[0], rec.shape[1]
+    k, v = dequantize_tiles(rec.reshape(m * h, nbytes), scheme, head_dim, rotated=True)
+    t = scheme.group_size
+    return k.view(m, h, t, head_dim), v.view(m, h, t, head_dim)
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: torch.Tensor,
+    stage_k: torch.Tensor,
+    stage_v: torch.Tensor,
+    plans: list[RequestPlan],
+    scheme: Scheme,
+    scale: float,
+    output: torch.Tensor,
+) -> None:
+    """Attention of this step's queries over cached context plus their own tokens.
+
+    Args:
+        query: ``[N, Hq, D]`` new queries (model dtype); key, value: ``[N, H, D]`` new keys/values.
+        cache: ``[num_blocks, H, 1, page_bytes]`` uint8, packed tile records of this layer.
+        stage_k, stage_v: ``[num_slots, H, T, D]`` staged tokens of partial tiles (model dtype).
+        plans: one :class:`RequestPlan` per request (from the metadata builder).
+        scale: softmax scale.
+        output: ``[N, Hq, D]``, written in place for the tokens of ``plans``.
+    """
+    rot, t = scheme.rotation, scheme.group_size
+    n_kv, d = key.shape[1], key.shape[2]
+    group = query.shape[1] // n_kv
+    ctx = _decode_context(cache, plans, scheme, d)
+    off = 0
+    for p in plans:
+        if p.q_len == 0:
+            continue
+        sl = slice(p.q_start, p.q_start + p.q_len)
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+        if p.ctx_blocks:
+            assert ctx is not None
+            n = len(p.ctx_blocks)
+            ks.append(ctx[0][off : off + n].permute(1, 0, 2, 3).reshape(n_kv, n * t, d))
+            vs.append(ctx[1][off : off + n].permute(1, 0, 2, 3).reshape(n_kv, n * t, d))
+            off += n
+        if p.staged_read:
+            ks.append(rotate(stage_k[p.read_slot, :, : p.staged_read], rot))
+            vs.append(rotate(stage_v[p.read_slot, :, : p.staged_read], rot))
+        ks.append(rotate(key[sl].transpose(0, 1), rot))
+        vs.append(rotate(value[sl].transpose(0, 1), rot))
+        k = torch.cat(ks, dim=1).repeat_interleave(group, dim=0)  # [Hq, L, D]
+        v = torch.cat(vs, dim=1).repeat_interleave(group, dim=0)
+        q = rotate(query[sl].transpose(0, 1), rot)  # [Hq, n, D]
+        n_ctx = k.shape[1] - p.q_len
+        if p.q_len == 1:
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale)
+        elif n_ctx == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            mask = torch.ones(p.q_len, k.shape[1], dtype=torch.bool, device=q.device)
+            mask[:, n_ctx:] = torch.ones(p.q_len, p.q_len, dtype=torch.bool, device=q.device).tril()
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        output[sl] = unrotate(o, rot).transpose(0, 1).to(output.dtype)
+
+
+def commit(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: torch.Tensor,
+    stage_k: torch.Tensor,
+    stage_v: torch.Tensor,
+    plans: list[RequestPlan],
+    scheme: Scheme,
+) -> None:
+    """Store this step's keys/values: quantize tiles that became full, stage the remainder.
+
+    Shapes as in :func:`attend`. Raises ``ValueError`` (from the codec) on inf/NaN keys or values.
+    """
+    t, d = scheme.group_size, key.shape[2]
+    tiles_k: list[torch.Tensor] = []
+    tiles_v: list[torch.Tensor] = []
+    blocks: list[int] = []
+    for p in plans:
+        if p.dummy or p.q_len == 0:
+            continue
+        sl = slice(p.q_start, p.q_start + p.q_len)
+        tk, tv = key[sl].transpose(0, 1), value[sl].transpose(0, 1)  # [H, n, D]
+        if p.staged_read:
+            tk = torch.cat([stage_k[p.read_slot, :, : p.staged_read], tk], dim=1)
+            tv = torch.cat([stage_v[p.read_slot, :, : p.staged_read], tv], dim=1)
+        for j, b in enumerate(p.commit_blocks):
+            tiles_k.append(tk[:, j * t : (j + 1) * t])
+            tiles_v.append(tv[:, j * t : (j + 1) * t])
+            blocks.append(b)
+        if p.rem_tokens:
+            f = len(p.commit_blocks) * t
+            stage_k[p.rem_slot, :, : p.rem_tokens] = tk[:, f:]
+            stage_v[p.rem_slot, :, : p.rem_tokens] = tv[:, f:]
+    if not blocks:
+        return
+    n_kv = key.shape[1]
+    k = torch.stack(tiles_k).reshape(len(blocks) * n_kv, t, d)
+    v = torch.stack(tiles_v).reshape(len(blocks) * n_kv, t, d)
+    rec = quantize_tiles(k, v, scheme)  # [F * H, tile_bytes]
+    idx = torch.tensor(blocks, dtype=torch.long, device=cache.device)
+    cache[idx, :, 0, : rec.shape[1]] = rec.view(len(blocks), n_kv, 1, -1)[:, :, 0]
