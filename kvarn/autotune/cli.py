@@ -116,21 +116,17 @@ def _config(args: argparse.Namespace) -> TuneConfig | str:
     )
 
 
-def _progress_callback(total: int, quiet: bool) -> tuple[Any, Any]:
-    from optuna.trial import TrialState
+def _progress_bar(total: int, quiet: bool) -> tuple[Any, Any]:
     from tqdm import tqdm
-
-    from kvarn.autotune.objective import best_feasible
 
     bar = tqdm(total=total, desc="kvarn-tune", unit="trial", disable=quiet)
 
-    def cb(study: Any, trial: Any) -> None:
-        best = best_feasible(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-        bar.set_postfix_str(f"best feasible {float(best.value):.4f} bits" if best else "no feasible trial yet")
-        bar.n = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.get_trials(deepcopy=False))
+    def on_trial(evaluated: int, total: int, best: float | None) -> None:
+        bar.set_postfix_str(f"best feasible {best:.4f} bits" if best is not None else "no feasible trial yet")
+        bar.n = evaluated
         bar.refresh()
 
-    return bar, cb
+    return bar, on_trial
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -151,9 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PermissionError as e:
         return _fail(str(e))
     name = args.name or derived_name(args.model, config.budget)
-    bar, cb = _progress_callback(config.trials, args.quiet)
+    bar, on_trial = _progress_bar(config.trials, args.quiet)
     try:
-        res = tune(config, dims=dims, callbacks=[cb])
+        res = tune(config, dims=dims, on_trial=on_trial)
     except ValueError as e:
         return _fail(str(e))
     finally:

@@ -4,7 +4,8 @@ One trial: sample a scheme, compute its bits per element (free), then spend eval
 where it can matter:
 
 1. a trial whose bits cannot beat the best feasible trial so far is pruned unmeasured (not in
-   ``--pareto`` mode, where every point of the front counts);
+   ``--pareto`` mode, where every point of the front counts); such trials cost no evaluation and
+   do not count towards ``--trials`` (user attribute ``evaluated`` marks the ones that do);
 2. a scheme already measured in this study (samplers repeat themselves) reuses that measurement;
 3. a partial evaluation on the first ``prune_tokens`` tokens is reported to the study's pruner
    (:class:`optuna.pruners.ThresholdPruner` at ``prune_slack`` x the budget), which stops trials that
@@ -144,9 +145,11 @@ class Objective:
             if use_partial:
                 partial = self.partial_cache.get(scheme.name)
                 if partial is None:
+                    trial.set_user_attr("evaluated", True)
                     partial = self._evaluate(scheme, self.prune_tokens)
                     self.partial_cache[scheme.name] = partial
                 self._prune_partial(trial, partial)
+            trial.set_user_attr("evaluated", True)
             measured = self._evaluate(scheme, None)
             self.cache[scheme.name] = measured
             trial.set_user_attr("status", "measured")

@@ -6,9 +6,10 @@ Parameters of one trial:
 * ``kv`` -- base key/value bits, e.g. ``"k4v2"``; keys never get fewer bits than values unless
   ``allow_kv_inversion`` (keys feed every attention score, values only a weighted sum);
 * ``group_size``, ``rotation``, ``norm_iters``, ``scale_dtype``, ``sink_tile``;
-* ``n_protect`` / ``protect`` -- the ``n_protect`` most sensitive layers get ``protect`` bits
-  (or stay unquantized, ``"fp16"``);
-* ``n_demote`` / ``demote`` -- the ``n_demote`` least sensitive layers get ``demote`` bits.
+* ``n_protect`` / ``protect_up`` -- the ``n_protect`` most sensitive layers get the bit pair
+  ``protect_up`` rungs above the base on the ladder ``k2v2 < k3v2 < ... < k8v8 < fp16``;
+* ``n_demote`` / ``demote_down`` -- the ``n_demote`` least sensitive layers get the pair
+  ``demote_down`` rungs below the base (clipped at the bottom rung).
 
 Every combination maps to a valid scheme: bit pairs come from one fixed list of allowed pairs, and
 the layer tiers are disjoint by construction.
@@ -31,6 +32,8 @@ ALLOWED_ROTATIONS: tuple[str, ...] = ("hadamard", "rhadamard", "none")
 NORM_ITERS: tuple[int, ...] = (0, 2, 4, 8, 16)
 SCALE_DTYPES: tuple[str, ...] = ("fp16", "log8")
 FP16 = "fp16"
+# Tier rungs: k4v2 before k3v3 (same bits; keys matter more), k8v4 before k8v2 (values need some bits).
+LADDER: tuple[str, ...] = ("k2v2", "k3v2", "k4v2", "k4v3", "k4v4", "k8v4", "k8v8")
 
 
 def kv_pairs(bits: Sequence[int] = ALLOWED_BITS, allow_inversion: bool = False) -> tuple[str, ...]:
@@ -86,9 +89,9 @@ class SearchSpace:
     Example:
         >>> space = SearchSpace(num_layers=4, ranking=(3, 0, 1, 2))
         >>> space.build({"kv": "k4v2", "group_size": 128, "rotation": "hadamard", "norm_iters": 8,
-        ...              "scale_dtype": "fp16", "sink_tile": False, "n_protect": 1, "protect": "fp16",
-        ...              "n_demote": 2, "demote": "k2v2"}).name
-        'kvarn_k4v2_g128_L1-2k2v2_L3fp16'
+        ...              "scale_dtype": "fp16", "sink_tile": False, "n_protect": 1, "protect_up": 2,
+        ...              "n_demote": 2, "demote_down": 2}).name
+        'kvarn_k4v2_g128_L1-2k3v2_L3k4v4'
     """
 
     num_layers: int
@@ -122,8 +125,19 @@ class SearchSpace:
     def step(self) -> int:
         return self.demote_step or max(1, self.num_layers // 10)
 
+    @property
+    def ladder(self) -> tuple[str, ...]:
+        """The rungs tiers step along: one pair per total bit count, keys first, then ``fp16``."""
+        allowed = set(kv_pairs(self.bits))
+        return (*(r for r in LADDER if r in allowed), FP16)
+
     def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
-        """Sample one trial's parameters (define-by-run; conditional tier bits)."""
+        """Sample one trial's parameters (define-by-run; tier steps only when a tier is used).
+
+        The protected tier sits ``protect_up`` rungs above the base pair on :attr:`ladder`, the
+        demoted tier ``demote_down`` rungs below, so tiers are always "more" and "fewer" bits and no
+        two parameter settings mean the same thing twice.
+        """
         p: dict[str, Any] = {
             "kv": trial.suggest_categorical("kv", self.pairs),
             "group_size": trial.suggest_categorical("group_size", self.group_sizes),
@@ -137,13 +151,22 @@ class SearchSpace:
         if self.per_layer:
             p["n_protect"] = trial.suggest_int("n_protect", 0, min(self.max_protect, self.num_layers))
             if p["n_protect"]:
-                p["protect"] = trial.suggest_categorical("protect", (FP16, *self.pairs))
-            p["n_demote"] = trial.suggest_int(
-                "n_demote", 0, self.num_layers - self.num_layers % self.step, step=self.step
-            )
+                p["protect_up"] = trial.suggest_int("protect_up", 1, 3)
+            top = self.num_layers - self.num_layers % self.step
+            p["n_demote"] = trial.suggest_int("n_demote", 0, top, step=self.step)
             if p["n_demote"]:
-                p["demote"] = trial.suggest_categorical("demote", self.pairs)
+                p["demote_down"] = trial.suggest_int("demote_down", 1, 2)
         return p
+
+    def _rung(self, base: str, delta: int) -> str:
+        """The rung ``delta`` steps above (or below) ``base`` by total bits, clipped to the ladder;
+        ``base`` itself when nothing is below it. Bases off the ladder (``k3v3``) work the same."""
+        total = sum(parse_pair(base))
+        if delta > 0:
+            ups = [r for r in self.ladder if r == FP16 or sum(parse_pair(r)) > total]
+            return ups[min(delta, len(ups)) - 1]
+        downs = [r for r in self.ladder[:-1] if sum(parse_pair(r)) < total][::-1]
+        return downs[min(-delta, len(downs)) - 1] if downs else base
 
     def build(self, p: dict[str, Any]) -> Scheme:
         """Parameters -> scheme. Tiers: protected (most sensitive), demoted (least), the rest base."""
@@ -153,10 +176,11 @@ class SearchSpace:
         protected = list(self.ranking[:n_protect])
         demoted = list(self.ranking[self.num_layers - n_demote :]) if n_demote else []
         overrides: list[LayerOverride] = []
-        if protected and p.get("protect") != p["kv"]:
-            overrides += tier_overrides(protected, p.get("protect"))
-        if demoted and p.get("demote") != p["kv"]:
-            overrides += tier_overrides(demoted, p.get("demote"))
+        if protected:
+            overrides += tier_overrides(protected, self._rung(p["kv"], int(p.get("protect_up", 1))))
+        demote = self._rung(p["kv"], -int(p.get("demote_down", 1))) if demoted else p["kv"]
+        if demote != p["kv"]:
+            overrides += tier_overrides(demoted, demote)
         return Scheme(
             key_bits=k,
             value_bits=v,

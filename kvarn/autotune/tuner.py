@@ -30,6 +30,7 @@ from kvarn.autotune.space import SearchSpace, layer_sensitivity, parse_pair, ran
 from kvarn.schemes import Scheme
 
 EvaluatorFactory = Callable[[str], EvaluatorLike]
+MAX_FREE_PER_TRIAL = 20  # unmeasured (skipped) trials allowed per evaluated one before the study stops
 
 
 @dataclass
@@ -219,7 +220,7 @@ def tune(
     config: TuneConfig,
     factory: EvaluatorFactory | None = None,
     dims: tuple[int, int] | None = None,
-    callbacks: list[Callable[[optuna.Study, FrozenTrial], None]] | None = None,
+    on_trial: Callable[[int, int, float | None], None] | None = None,
 ) -> TuneResult:
     """Search the smallest scheme within ``config.budget``; see the module docstring.
 
@@ -227,7 +228,11 @@ def tune(
         config: the run's settings.
         factory: text -> evaluator (default: the decode-mode harness on ``config.model``).
         dims: ``(num_layers, head_dim)``; default read from the model's config.
-        callbacks: extra ``study.optimize`` callbacks (the CLI's progress bar).
+        on_trial: called after every trial with (evaluated trials, ``config.trials``, best
+            feasible bits so far or None): the CLI's progress bar.
+
+    ``config.trials`` counts trials that ran an evaluation; trials pruned unmeasured (they could not
+    beat the best feasible bits) are free and do not count, up to ``MAX_FREE_PER_TRIAL`` per trial.
     """
     t0 = time.perf_counter()
     num_layers, head_dim = dims or model_dims(config.model)
@@ -262,7 +267,7 @@ def tune(
         storage=config.storage,
         load_if_exists=True,
         direction="minimize",
-        sampler=optuna.samplers.TPESampler(seed=config.seed, n_startup_trials=8),
+        sampler=optuna.samplers.TPESampler(seed=config.seed, n_startup_trials=8, multivariate=True, group=True),
         pruner=pruner,
     )
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
@@ -276,20 +281,32 @@ def tune(
     if not study.trials:
         for p in space.seeds():
             study.enqueue_trial(p, skip_if_exists=True)
-    remaining = max(0, config.trials - len(done))
+    evaluated = sum(bool(t.user_attrs.get("evaluated")) for t in done)
+    cap = len(study.trials) + (config.trials - evaluated) * MAX_FREE_PER_TRIAL
+
+    def after(study: optuna.Study, trial: FrozenTrial) -> None:
+        nonlocal evaluated
+        evaluated += bool(trial.user_attrs.get("evaluated"))
+        if on_trial is not None:
+            best = best_feasible(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+            on_trial(evaluated, config.trials, float(best.value) if best and best.value is not None else None)
+        if evaluated >= config.trials or trial.number + 1 >= cap:
+            study.stop()
+
     interrupted = False
-    try:
-        study.optimize(
-            objective,
-            n_trials=remaining,
-            timeout=config.timeout,
-            catch=(RuntimeError, ValueError),
-            callbacks=callbacks or [],
-            gc_after_trial=False,
-            show_progress_bar=False,
-        )
-    except KeyboardInterrupt:
-        interrupted = True
+    if evaluated < config.trials:
+        try:
+            study.optimize(
+                objective,
+                n_trials=None,
+                timeout=config.timeout,
+                catch=(RuntimeError, ValueError),
+                callbacks=[after],
+                gc_after_trial=False,
+                show_progress_bar=False,
+            )
+        except KeyboardInterrupt:
+            interrupted = True
     trials = study.get_trials(deepcopy=False)
     return _finish(
         config, study_name, trials, space, sens, factory, held_text, sha, head_dim, num_layers, t0, interrupted
@@ -310,6 +327,7 @@ def _trial_rows(trials: list[FrozenTrial], budget: Budget) -> list[dict[str, Any
                 "partial": t.user_attrs.get("partial"),
                 "constraint": t.constraints.get(CONSTRAINT),
                 "status": t.user_attrs.get("status", ""),
+                "evaluated": bool(t.user_attrs.get("evaluated")),
             }
         )
     return rows
@@ -363,7 +381,7 @@ def _finish(
         cfg, None, [], front, None, _trial_rows(trials, budget), [], sens, list(space.ranking), study_name,
         head_dim, num_layers, sha, 0.0, "", 0, interrupted,
     )  # fmt: skip
-    n_done = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+    n_done = sum(bool(t.user_attrs.get("evaluated")) for t in trials)
     if interrupted:
         res.closest = _candidate(best, budget) if best else _closest(trials, budget)
         res.message = f"interrupted after {n_done} finished trials; rerun with the same --storage to resume"

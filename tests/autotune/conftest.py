@@ -13,7 +13,7 @@ from kvarn.schemes import Scheme
 
 NUM_LAYERS, HEAD_DIM = 30, 64
 # Layers 0, 1 and 29 are the sensitive ones; the rest vary a little.
-SENS = [0.02 + 0.004 * (i % 5) + (0.08 if i in (0, 1, 29) else 0.0) for i in range(NUM_LAYERS)]
+SENS = [0.012 + 0.004 * (i % 5) + (0.14 if i in (0, 1, 29) else 0.0) for i in range(NUM_LAYERS)]
 
 
 @dataclass

@@ -60,9 +60,9 @@ def test_tiers_follow_sensitivity_ranking() -> None:
         "scale_dtype": "log8",
         "sink_tile": True,
         "n_protect": 3,
-        "protect": "fp16",
+        "protect_up": 9,
         "n_demote": 9,
-        "demote": "k2v2",
+        "demote_down": 1,
     }
     s = space.build(p)
     assert s.name == "kvarn_k3v2_g64_s8_sink_L0-1fp16_L20-28k2v2_L29fp16"
