@@ -67,6 +67,8 @@ class KVarNCache(Cache):
         scheme_or_name: a :class:`Scheme`, a baseline, or a name (``"fp16"``, a baseline name, a
             preset or canonical kvarn name).
         config: the model's transformers config (layers, KV heads, head_dim).
+        quantize_before_read: a chunk reads its own tokens quantized once committed (default: it
+            reads them as computed and later chunks read them as stored; see :mod:`kvarn.hf.layers`).
 
     Raises:
         UnknownSchemeError: unknown name (the message lists the valid ones).
@@ -74,14 +76,16 @@ class KVarNCache(Cache):
         ValueError: the model has attention layers other than full attention.
     """
 
-    def __init__(self, scheme_or_name: str | Scheme | BaselineLike, config: Any) -> None:
+    def __init__(
+        self, scheme_or_name: str | Scheme | BaselineLike, config: Any, *, quantize_before_read: bool = False
+    ) -> None:
         self.spec: Spec = resolve_spec(scheme_or_name)
         self.name = spec_name(self.spec)
         self.num_layers, self.num_kv_heads, self.head_dim = model_geometry(config)
         layers = []
         for i in range(self.num_layers):
             committer, sink = _committer(self.spec, i, self.head_dim)
-            layers.append(KVarNLayer(committer, sink))
+            layers.append(KVarNLayer(committer, sink, quantize_before_read))
         super().__init__(layers=layers)  # type: ignore[arg-type]
 
     @property

@@ -6,9 +6,13 @@ baselines commit ``commit_tokens`` tokens at a time, keeping their ``window`` ne
 keys and values attention reads are ``[sink | committed | tail]``, where ``committed`` is what the
 stored bytes decode to: exactly what a server reads back.
 
-Committing happens in :meth:`KVarNLayer.update` *before* the layer returns its keys and values, so
-a chunk already reads its own tokens quantized once their tile is full (as a server that writes the
-cache first and then attends over it).
+What a chunk reads: the cache as it was stored before the chunk, followed by the chunk's own new
+keys and values unquantized (they are committed right after, so the next chunk reads them as
+stored). That is how a server's prefill attention treats a chunk (context from the cache, the new
+tokens from registers) and how a decode step treats its own token; every spec gets the same
+treatment. ``quantize_before_read=True`` instead commits first, so a chunk reads its own tokens
+quantized once their tile is full (a server that writes the cache and then attends over all of
+it); measured for comparison in docs/accuracy.md.
 """
 
 from __future__ import annotations
@@ -71,17 +75,14 @@ class BaselineCommitter:
         self.committed_elements = 0  # keys and values together
 
     def commit(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Round-trip ``[B, H, n*c, D]`` keys/values, ``c`` tokens per call, oldest first."""
-        c = self.commit_tokens
-        ks, vs = [], []
-        for start in range(0, k.shape[2], c):
-            kq, vq = self.baseline.roundtrip(
-                k[:, :, start : start + c].float(), v[:, :, start : start + c].float(), self.state
-            )
-            ks.append(kq.to(k.dtype))
-            vs.append(vq.to(v.dtype))
+        """Round-trip ``[B, H, n*c, D]`` keys/values (all due groups in one call, oldest first).
+
+        One call per update, not one per group: a baseline's state is set by the first batch it
+        sees, as vLLM's ``calculate_kv_scales`` sets the fp8 scales from the first forward pass.
+        """
+        kq, vq = self.baseline.roundtrip(k.float(), v.float(), self.state)
         self.committed_elements += 2 * k.numel()
-        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        return kq.to(k.dtype), vq.to(v.dtype)
 
     def quantized_bytes(self) -> float:
         """Bytes a server would hold for the committed tokens, at the baseline's honest bits/element."""
@@ -106,13 +107,15 @@ class KVarNLayer(CacheLayerMixin):
     Args:
         committer: how full groups of tokens are stored; None keeps the layer unquantized.
         sink_tokens: the first ``sink_tokens`` tokens stay unquantized (a scheme's sink tile).
+        quantize_before_read: commit before returning (see the module docstring).
     """
 
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, committer: Committer | None, sink_tokens: int = 0) -> None:
+    def __init__(self, committer: Committer | None, sink_tokens: int = 0, quantize_before_read: bool = False) -> None:
         super().__init__()
+        self.quantize_before_read = quantize_before_read
         self.committer = committer
         self.sink_tokens = sink_tokens
         self.length = 0
@@ -131,11 +134,20 @@ class KVarNLayer(CacheLayerMixin):
         """Append ``[B, H, S, D]`` new keys/values, commit what is due, return all keys/values."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.committer is None or self.quantize_before_read:
+            self._append(key_states, value_states)
+            return self._all()
+        old_k, old_v = self._all()
+        self._append(key_states, value_states)
+        return torch.cat([old_k, key_states], dim=-2), torch.cat([old_v, value_states], dim=-2)
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Add new tokens to the tail; move the first ones to the sink; commit what is due."""
         self.length += key_states.shape[-2]
         self.tail_k = torch.cat([self.tail_k, key_states], dim=-2)
         self.tail_v = torch.cat([self.tail_v, value_states], dim=-2)
         if self.committer is None:
-            return self._all()
+            return
         missing = self.sink_tokens - self.sink_k.shape[-2]
         if missing > 0:  # the first tokens of the sequence fill the sink before anything is committed
             self.sink_k = torch.cat([self.sink_k, self.tail_k[:, :, :missing]], dim=-2)
@@ -148,7 +160,6 @@ class KVarNLayer(CacheLayerMixin):
             self.done_k = torch.cat([self.done_k, kq], dim=-2)
             self.done_v = torch.cat([self.done_v, vq], dim=-2)
             self.tail_k, self.tail_v = self.tail_k[:, :, due:], self.tail_v[:, :, due:]
-        return self._all()
 
     def _all(self) -> tuple[torch.Tensor, torch.Tensor]:
         k = torch.cat([self.sink_k, self.done_k, self.tail_k], dim=-2)

@@ -1,0 +1,111 @@
+"""Reporting evaluation results: a text table, JSON, and the Pareto plot (bits/element vs KL)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvarn.eval.harness import EvalResult
+from kvarn.hf import FP16
+
+
+def pareto_front(results: Sequence[EvalResult]) -> set[str]:
+    """Names of the results no other result beats on both bits/element and KL (lower is better)."""
+    front = set()
+    for r in results:
+        dominated = any(
+            o.bits_per_element <= r.bits_per_element
+            and o.kl <= r.kl
+            and (o.bits_per_element < r.bits_per_element or o.kl < r.kl)
+            for o in results
+        )
+        if not dominated:
+            front.add(r.scheme)
+    return front
+
+
+def format_table(results: Sequence[EvalResult], markdown: bool = False) -> str:
+    """A table, one row per result; ``*`` marks the Pareto front (bits/element vs KL)."""
+    front = pareto_front(results)
+    head = ["scheme", "bits/elem", "ppl", "d ppl %", "KL", "top-1", "greedy", "front", "seconds"]
+    rows = []
+    for r in results:
+        greedy = "-" if r.greedy_agreement_tokens is None else str(r.greedy_agreement_tokens)
+        rows.append(
+            [
+                r.scheme,
+                f"{r.bits_per_element:.3f}",
+                f"{r.ppl:.3f}",
+                f"{r.delta_ppl_pct:+.2f}",
+                f"{r.kl:.4f}",
+                f"{r.top1_agreement:.3f}",
+                greedy,
+                "*" if r.scheme in front else "",
+                f"{r.seconds:.1f}",
+            ]
+        )
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        return "\n".join(lines)
+    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    return "\n".join(fmt.format(*row) for row in [head, *rows])
+
+
+def write_json(results: Sequence[EvalResult], path: str | Path, meta: dict[str, Any] | None = None) -> None:
+    """Write a JSON list with one object per scheme: the result's fields plus ``meta`` (model, chunk...)."""
+    rows = [{**r.to_dict(), **(meta or {})} for r in results]
+    Path(path).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+
+
+def read_json(path: str | Path) -> list[EvalResult]:
+    """Read results written by :func:`write_json` (extra keys are ignored)."""
+    fields = EvalResult.__dataclass_fields__
+    return [EvalResult(**{k: v for k, v in row.items() if k in fields}) for row in json.loads(Path(path).read_text())]
+
+
+def plot_pareto(results: Sequence[EvalResult], path: str | Path, title: str = "") -> None:
+    """Scatter bits/element (x) against KL (y, log scale); the front as a step line.
+
+    fp16 (KL 0) cannot sit on a log axis and is left out; kvarn schemes and baselines get
+    different markers.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [r for r in results if r.scheme != FP16 and r.kl > 0]
+    if not pts:
+        raise ValueError("nothing to plot: every result is fp16 or has KL 0")
+    front = pareto_front(pts)
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    for kvarn, marker, color, label in ((True, "o", "tab:blue", "kvarn"), (False, "s", "tab:orange", "baselines")):
+        sel = [r for r in pts if r.scheme.startswith("kvarn_") == kvarn]
+        if sel:
+            ax.scatter(
+                [r.bits_per_element for r in sel],
+                [r.kl for r in sel],
+                marker=marker,
+                color=color,
+                label=label,
+                zorder=3,
+            )
+        for r in sel:
+            ax.annotate(r.scheme, (r.bits_per_element, r.kl), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    fr = sorted((r for r in pts if r.scheme in front), key=lambda r: r.bits_per_element)
+    ax.step(
+        [r.bits_per_element for r in fr], [r.kl for r in fr], where="post", color="gray", lw=1, label="Pareto front"
+    )
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per element (scales, zero points, unquantized windows included)")
+    ax.set_ylabel("mean KL(fp16 || scheme), nats")
+    ax.set_title(title or "KV-cache quantization: size vs accuracy")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
