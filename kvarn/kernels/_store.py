@@ -41,7 +41,7 @@ def _fp16_store(x, ROUND_UP: tl.constexpr):
 @triton.jit
 def _log8_store(x, lut_ptr, ROUND_UP: tl.constexpr):
     """float32 >= 0 -> (log8 byte as int32, its float32 value read from the reference table)."""
-    e = tl.log2(tl.maximum(x, LOG8_MIN)) * LOG8_STEPS
+    e = tl.log2(tl.maximum(x, LOG8_MIN).to(tl.float64)).to(tl.float32) * LOG8_STEPS
     if ROUND_UP:  # noqa: SIM108  (constexpr branches)
         e = tl.ceil(e - 1e-4)
     else:
@@ -52,13 +52,36 @@ def _log8_store(x, lut_ptr, ROUND_UP: tl.constexpr):
 
 
 @triton.jit
+def _exp(x):
+    """float32 exp through float64: correctly rounded, like the reference on CPU far more often than fp32 exp."""
+    return tl.exp(x.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def _log(x):
+    """float32 log through float64 (correctly rounded)."""
+    return tl.log(x.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def _mean(x, AXIS: tl.constexpr, N: tl.constexpr):
+    """float32 mean along AXIS, summed in float64 and rounded once."""
+    return (tl.sum(x.to(tl.float64), axis=AXIS, keep_dims=True) / N).to(tl.float32)
+
+
+@triton.jit
 def _floored_log_std(y, AXIS: tl.constexpr, N: tl.constexpr, M: tl.constexpr):
-    """log(std + floor) along AXIS (N elements); floor = 1e-3 * mean std over the M slices."""
-    mean = tl.sum(y, axis=AXIS, keep_dims=True) / N
-    dev = y - mean
-    std = tl.sqrt_rn(tl.sum(dev * dev, axis=AXIS, keep_dims=True) / N)
-    floor = STD_FLOOR * (tl.sum(tl.sum(std, axis=1), axis=0) / M) + TINY
-    return tl.log(std + floor)
+    """log(std + floor) along AXIS (N elements); floor = 1e-3 * mean std over the M slices.
+
+    The variance is taken in float64 and rounded once, as torch's CPU ``std`` (a float64 Welford
+    reduction) does; this is what makes the iterates match the reference bit for bit.
+    """
+    y64 = y.to(tl.float64)
+    mean = tl.sum(y64, axis=AXIS, keep_dims=True) / N
+    dev = y64 - mean
+    std = tl.sqrt(tl.sum(dev * dev, axis=AXIS, keep_dims=True) / N).to(tl.float32)
+    mean_std = (tl.sum(tl.sum(std.to(tl.float64), axis=1), axis=0) / M).to(tl.float32)
+    return _log(std + (STD_FLOOR * mean_std + TINY))
 
 
 @triton.jit
@@ -139,16 +162,16 @@ def store_side_kernel(
     best_err = tl.full((), float("inf"), tl.float32)
     for it in range(ITERS + 1):
         if it > 0:  # one column step and one row step, factors centred (geometric mean 1)
-            y = x * tl.exp(-log_r - log_c)
+            y = x * _exp(-log_r - log_c)
             log_c = log_c + _floored_log_std(y, 0, T, D)
-            log_c = log_c - tl.sum(log_c, axis=1, keep_dims=True) / D
-            y = x * tl.exp(-log_r - log_c)
+            log_c = log_c - _mean(log_c, 1, D)
+            y = x * _exp(-log_r - log_c)
             log_r = log_r + _floored_log_std(y, 1, D, T)
-            log_r = log_r - tl.sum(log_r, axis=0, keep_dims=True) / T
+            log_r = log_r - _mean(log_r, 0, T)
         if PER_CHANNEL:  # noqa: SIM108  (constexpr branches)
-            fv = tl.exp(log_r) * base
+            fv = _exp(log_r) * base
         else:
-            fv = tl.exp(log_c) * base
+            fv = _exp(log_c) * base
         if LOG8:
             f_raw, f = _log8_store(fv, lut_ptr, False)
         else:
@@ -180,7 +203,7 @@ def store_side_kernel(
             codes = tl.where(s > 0, tl.floor((y - o) / safe + 0.5), 0.0)
         codes = tl.minimum(tl.maximum(codes, 0.0), QMAX)
         diff = (codes * s + o) * f - x
-        err = tl.sum(tl.sum(diff * diff, axis=1), axis=0)
+        err = tl.sum(tl.sum((diff * diff).to(tl.float64), axis=1), axis=0).to(tl.float32)
         better = (err < best_err) | (it == 0)
         best_codes = tl.where(better, codes.to(tl.int32), best_codes)
         best_s = tl.where(better, s_raw, best_s)
