@@ -1,0 +1,67 @@
+"""Reporting: Pareto front, table, JSON round trip, plot (no model needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvarn.eval import EvalResult, format_table, pareto_front, plot_pareto, read_json, write_json
+from kvarn.eval.metrics import MetricSums, leading_matches
+
+
+def result(name: str, bits: float, kl: float) -> EvalResult:
+    return EvalResult(name, bits, 20.0, 1.0, kl, 0.9, 3, 512, 1.0)
+
+
+RESULTS = [
+    result("fp16", 16.0, 0.0),
+    result("kvarn_k4v2_g128", 3.5, 0.01),
+    result("fp8", 8.0, 0.02),  # dominated by kvarn_k4v2_g128
+    result("kivi2", 3.0, 0.2),
+    result("turboquant3", 3.5, 0.3),  # same bits as kvarn_k4v2_g128, worse KL
+]
+
+
+def test_pareto_front() -> None:
+    assert pareto_front(RESULTS) == {"fp16", "kvarn_k4v2_g128", "kivi2"}
+
+
+def test_table_marks_the_front() -> None:
+    lines = format_table(RESULTS).splitlines()
+    assert lines[0].split()[0] == "scheme" and len(lines) == 6
+    row = {ln.split()[0]: ln for ln in lines[1:]}
+    assert "*" in row["kivi2"] and "*" not in row["fp8"]
+    md = format_table(RESULTS, markdown=True).splitlines()
+    assert md[0].startswith("| scheme") and md[1].startswith("|---")
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    write_json(RESULTS, path, {"model": "m"})
+    assert read_json(path) == RESULTS
+
+
+def test_plot(tmp_path: Path) -> None:
+    path = tmp_path / "p.png"
+    plot_pareto(RESULTS, path)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plot_pareto(RESULTS[:1], path)
+
+
+def test_metrics() -> None:
+    import torch
+
+    ref = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 3.0]]), -1)
+    same = MetricSums()
+    same.add(ref, ref, torch.tensor([0, 2]))
+    assert same.mean_kl == pytest.approx(0.0, abs=1e-7) and same.top1_agreement == 1.0
+    other = MetricSums()
+    flipped = torch.log_softmax(torch.tensor([[1.0, 2.0, 0.0], [0.0, 0.0, 3.0]]), -1)
+    other.add(ref, flipped, torch.tensor([0, 2]))
+    p = ref[0].exp()
+    assert other.mean_kl == pytest.approx(float((p * (ref[0] - flipped[0])).sum()) / 2, rel=1e-5)
+    assert other.top1_agreement == 0.5
+    assert other.ppl > same.ppl
+    assert leading_matches([1, 2, 3], [1, 2, 4, 5]) == 2 and leading_matches([], [1]) == 0
