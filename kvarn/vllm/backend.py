@@ -107,9 +107,9 @@ class KvarnAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
-        if kv_cache_spec is not None and isinstance(kv_cache_spec.tokens_per_state, int):
-            if kv_cache_spec.tokens_per_state > 1:
-                return [kv_cache_spec.tokens_per_state]  # one block = one tile, never split
+        tps = getattr(kv_cache_spec, "tokens_per_state", 1)
+        if isinstance(tps, int) and tps > 1:
+            return [kv_cache_spec.tokens_per_state]  # one block = one tile, never split
         return [MultipleOf(32)]
 
     @classmethod

@@ -42,8 +42,8 @@ _PATCHED: set[str] = set()
 
 
 def is_kvarn_dtype(cache_dtype: object) -> bool:
-    """Whether a ``kv_cache_dtype`` value names a kvarn preset (by its ``kvarn_`` prefix)."""
-    return isinstance(cache_dtype, str) and cache_dtype.startswith(PREFIX)
+    """Whether a ``kv_cache_dtype`` value names a kvarn preset (``kvarn_*`` or a registered preset name)."""
+    return isinstance(cache_dtype, str) and (cache_dtype.startswith(PREFIX) or cache_dtype in _REGISTERED)
 
 
 def staging_slots(max_num_seqs: int) -> int:
@@ -157,22 +157,71 @@ def _register_backend() -> None:
         register_backend(BACKEND_NAME, BACKEND_PATH)
 
 
+def check_model(name: str, vllm_config: Any) -> None:
+    """Start-up checks in the front-end process: raise ``ValueError`` naming what kvarn cannot serve."""
+    from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
+
+    scheme = get_preset(name).scheme
+    model = vllm_config.model_config
+    block = vllm_config.cache_config.block_size
+    if block != scheme.group_size:
+        raise ValueError(
+            f"kv_cache_dtype={name!r} needs block_size={scheme.group_size} (one vLLM block = one tile), "
+            f"got block_size={block}; pass block_size={scheme.group_size} (--block-size {scheme.group_size}) "
+            "or leave it unset"
+        )
+    if model is None:
+        return
+    bad = []
+    if model.use_mla:
+        bad.append("MLA attention")
+    head = model.get_head_size()
+    if head not in ALLOWED_HEAD_DIMS:
+        bad.append(f"head_dim {head} (supported: {', '.join(map(str, ALLOWED_HEAD_DIMS))})")
+    hf = model.hf_text_config
+    window = getattr(hf, "sliding_window", None)
+    layer_types = getattr(hf, "layer_types", None) or []
+    if window is not None and (getattr(hf, "use_sliding_window", True) or "sliding_attention" in layer_types):
+        bad.append(f"sliding-window layers (window {window})")
+    if model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        bad.append(f"model dtype {model.dtype} (supported: float16, bfloat16, float32)")
+    if bad:
+        raise ValueError(
+            f"kv_cache_dtype={name!r} cannot serve {model.model}: unsupported {'; '.join(bad)}. "
+            "Serve this model with another kv_cache_dtype."
+        )
+
+
 def _patch_engine_args() -> None:
-    """An unknown ``kvarn_*`` name fails when the engine arguments are made, listing the presets."""
+    """Fail in the front end, before any engine process starts: unknown names and unsupported models.
+
+    An unknown ``kvarn_*`` name raises :class:`UnknownSchemeError` listing the known presets; an
+    unset block size becomes the scheme's tile size.
+    """
     from vllm.engine.arg_utils import EngineArgs
 
     if getattr(EngineArgs, "_kvarn_checked", False):
         return
-    original = EngineArgs.__post_init__
+    post_init = EngineArgs.__post_init__
+    create = EngineArgs.create_engine_config
 
     def __post_init__(self: Any) -> None:
         name = getattr(self, "kv_cache_dtype", None)
         if is_kvarn_dtype(name):
             preset = get_preset(name)  # raises UnknownSchemeError listing the known names
             register_dtypes([preset.name])  # canonical names not scanned at start-up
-        original(self)
+            if self.block_size is None:
+                self.block_size = preset.scheme.group_size
+        post_init(self)
+
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        config = create(self, *args, **kwargs)
+        if is_kvarn_dtype(config.cache_config.cache_dtype):
+            check_model(config.cache_config.cache_dtype, config)
+        return config
 
     EngineArgs.__post_init__ = __post_init__  # type: ignore[method-assign]
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
     EngineArgs._kvarn_checked = True  # type: ignore[attr-defined]
 
 

@@ -1,0 +1,62 @@
+"""Tiny random models for capacity measurements and start-up checks (no download needed).
+
+``make_tiny_llama`` writes a randomly initialized Llama (any head_dim) that vLLM can serve, with
+the tokenizer of the embedded SmolLM2; ``write_config_only`` writes just a ``config.json``,
+enough for vLLM's front end to build (and kvarn to check) an engine config.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+
+def write_config_only(folder: Path, **overrides: Any) -> Path:
+    """A Llama ``config.json`` (2 layers, head_dim 64 unless overridden) in ``folder``; returns it."""
+    cfg: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_hidden_layers": 2,
+        "vocab_size": 49152,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16",
+        "rms_norm_eps": 1e-5,
+    }
+    cfg.update(overrides)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    return folder
+
+
+def make_tiny_llama(folder: Path, head_dim: int = 128, num_layers: int = 2, seed: int = 0) -> Path:
+    """A random Llama with ``head_dim`` (2 query heads, 1 KV head) and SmolLM2's tokenizer, in ``folder``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvarn.models import resolve_model
+
+    src = Path(resolve_model("smollm2-135m"))
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=2 * head_dim,
+        intermediate_size=4 * head_dim,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        num_hidden_layers=num_layers,
+        vocab_size=49152,
+        max_position_embeddings=4096,
+        torch_dtype="bfloat16",
+    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, folder / f.name)
+    return folder
