@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Triton JIT bodies: their arguments are pointers, tensors and tl.constexpr, typed by Triton itself)
 """Triton bodies of fused paged decode attention (optionally split-K) and its split reduction.
 
 One program serves one (sequence, KV head, split): the query heads of that KV head (GQA) are one

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Triton JIT bodies: their arguments are pointers, tensors and tl.constexpr, typed by Triton itself)
 """Triton bodies for prefill and chunked prefill: tile dequantization into a workspace, then causal
 flash attention of the new query tokens over the dense workspace.
 

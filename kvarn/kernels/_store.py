@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Triton JIT bodies: their arguments are pointers, tensors and tl.constexpr, typed by Triton itself)
 """Triton body of the store kernel: quantize and pack one side (keys or values) of full tiles.
 
 One program encodes one tile of one KV head, ``x`` ``[T, D]``, exactly as
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 FP16_MAX = 65504.0
 LOG8_STEPS = 8.0
@@ -39,9 +42,9 @@ def _fp16_store(x, ROUND_UP: tl.constexpr):
 
 
 @triton.jit
-def _log8_store(x, lut_ptr, ROUND_UP: tl.constexpr):
+def _log8_store(x, lut_ptr, ROUND_UP: tl.constexpr, LIBDEVICE: tl.constexpr):
     """float32 >= 0 -> (log8 byte as int32, its float32 value read from the reference table)."""
-    e = tl.log2(tl.maximum(x, LOG8_MIN).to(tl.float64)).to(tl.float32) * LOG8_STEPS
+    e = _log2(tl.maximum(x, LOG8_MIN), LIBDEVICE) * LOG8_STEPS
     if ROUND_UP:  # noqa: SIM108  (constexpr branches)
         e = tl.ceil(e - 1e-4)
     else:
@@ -52,15 +55,30 @@ def _log8_store(x, lut_ptr, ROUND_UP: tl.constexpr):
 
 
 @triton.jit
-def _exp(x):
-    """float32 exp through float64: correctly rounded, like the reference on CPU far more often than fp32 exp."""
+def _exp(x, LIBDEVICE: tl.constexpr):
+    """float32 exp through float64: correctly rounded, like the reference on CPU far more often than fp32 exp.
+
+    On CUDA the float64 functions come from libdevice; the interpreter has no extern calls.
+    """
+    if LIBDEVICE:
+        return libdevice.exp(x.to(tl.float64)).to(tl.float32)
     return tl.exp(x.to(tl.float64)).to(tl.float32)
 
 
 @triton.jit
-def _log(x):
+def _log(x, LIBDEVICE: tl.constexpr):
     """float32 log through float64 (correctly rounded)."""
+    if LIBDEVICE:
+        return libdevice.log(x.to(tl.float64)).to(tl.float32)
     return tl.log(x.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def _log2(x, LIBDEVICE: tl.constexpr):
+    """float32 log2 through float64 (correctly rounded)."""
+    if LIBDEVICE:
+        return libdevice.log2(x.to(tl.float64)).to(tl.float32)
+    return tl.log2(x.to(tl.float64)).to(tl.float32)
 
 
 @triton.jit
@@ -70,7 +88,7 @@ def _mean(x, AXIS: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _floored_log_std(y, AXIS: tl.constexpr, N: tl.constexpr, M: tl.constexpr):
+def _floored_log_std(y, AXIS: tl.constexpr, N: tl.constexpr, M: tl.constexpr, LIBDEVICE: tl.constexpr):
     """log(std + floor) along AXIS (N elements); floor = 1e-3 * mean std over the M slices.
 
     The variance is taken in float64 and rounded once, as torch's CPU ``std`` (a float64 Welford
@@ -81,7 +99,7 @@ def _floored_log_std(y, AXIS: tl.constexpr, N: tl.constexpr, M: tl.constexpr):
     dev = y64 - mean
     std = tl.sqrt(tl.sum(dev * dev, axis=AXIS, keep_dims=True) / N).to(tl.float32)
     mean_std = (tl.sum(tl.sum(std.to(tl.float64), axis=1), axis=0) / M).to(tl.float32)
-    return _log(std + (STD_FLOOR * mean_std + TINY))
+    return _log(std + (STD_FLOOR * mean_std + TINY), LIBDEVICE)
 
 
 @triton.jit
@@ -133,6 +151,7 @@ def store_side_kernel(
     ITERS: tl.constexpr,
     LOG8: tl.constexpr,
     ROTATE: tl.constexpr,
+    LIBDEVICE: tl.constexpr,  # float64 exp/log from libdevice (CUDA); tl.math under the interpreter
 ):
     pid = tl.program_id(0)
     n = pid // H
@@ -162,18 +181,18 @@ def store_side_kernel(
     best_err = tl.full((), float("inf"), tl.float32)
     for it in range(ITERS + 1):
         if it > 0:  # one column step and one row step, factors centred (geometric mean 1)
-            y = x * _exp(-log_r - log_c)
-            log_c = log_c + _floored_log_std(y, 0, T, D)
+            y = x * _exp(-log_r - log_c, LIBDEVICE)
+            log_c = log_c + _floored_log_std(y, 0, T, D, LIBDEVICE)
             log_c = log_c - _mean(log_c, 1, D)
-            y = x * _exp(-log_r - log_c)
-            log_r = log_r + _floored_log_std(y, 1, D, T)
+            y = x * _exp(-log_r - log_c, LIBDEVICE)
+            log_r = log_r + _floored_log_std(y, 1, D, T, LIBDEVICE)
             log_r = log_r - _mean(log_r, 0, T)
         if PER_CHANNEL:  # noqa: SIM108  (constexpr branches)
-            fv = _exp(log_r) * base
+            fv = _exp(log_r, LIBDEVICE) * base
         else:
-            fv = _exp(log_c) * base
+            fv = _exp(log_c, LIBDEVICE) * base
         if LOG8:
-            f_raw, f = _log8_store(fv, lut_ptr, False)
+            f_raw, f = _log8_store(fv, lut_ptr, False, LIBDEVICE)
         else:
             f_raw, f = _fp16_store(fv, False)
         f = tl.maximum(f, 1e-30)
@@ -182,7 +201,7 @@ def store_side_kernel(
         hi = tl.max(y, axis=QAXIS, keep_dims=True)
         if LOG8:
             need = tl.maximum((hi - lo) / QMAX, tl.abs(lo) / 127.0)
-            s_raw, s = _log8_store(need, lut_ptr, True)
+            s_raw, s = _log8_store(need, lut_ptr, True, LIBDEVICE)
             safe = tl.where(s > 0, s, 1.0)
             z = tl.minimum(tl.maximum(tl.floor(lo / safe + 0.5), -128.0), 127.0)
             z = tl.where(s > 0, z, 0.0)

@@ -118,6 +118,7 @@ def store_tiles(
             ITERS=scheme.norm_iters,
             LOG8=scheme.scale_dtype == "log8",
             ROTATE=scheme.rotation != "none",
+            LIBDEVICE=dev.type == "cuda",
             enable_fp_fusion=False,  # the reference rounds every multiply and add separately
             **cfg.launch_kwargs(),
         )
@@ -218,27 +219,18 @@ def decode_attention(
         raise KernelArgumentError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
     _check_cache(cache, scheme, hkv, d, dev)
     check_tensor("block_table", block_table, (bsz, None), (torch.int32,), dev)
-    for name, lens in (("num_tiles", num_tiles), ("tail_lens", tail_lens)):
-        check_tensor(name, lens, (bsz,), (torch.int32,), dev)
-    check_tensor("tail_k", tail_k, (bsz, hkv, t, d), FLOAT_DTYPES, dev)
-    check_tensor("tail_v", tail_v, (bsz, hkv, t, d), (tail_k.dtype,), dev)
-    if tail_k.stride() != tail_v.stride():
-        raise KernelArgumentError(
-            f"tail_k and tail_v must have the same strides, got {tail_k.stride()} and {tail_v.stride()}"
-        )
-    has_sink = sink_k is not None
-    if scheme.sink_tile and not has_sink:
+    check_tensor("num_tiles", num_tiles, (bsz,), (torch.int32,), dev)
+    _check_staging("tail", tail_k, tail_v, tail_lens, bsz, hkv, t, d, dev)
+    if scheme.sink_tile and sink_k is None:
         raise KernelArgumentError(f"scheme {scheme.name} keeps a sink tile: pass sink_k, sink_v and sink_lens")
-    if has_sink:
+    if sink_k is not None:
         if sink_v is None or sink_lens is None:
             raise KernelArgumentError("sink_k, sink_v and sink_lens go together")
-        check_tensor("sink_k", sink_k, (bsz, hkv, t, d), FLOAT_DTYPES, dev)
-        check_tensor("sink_v", sink_v, (bsz, hkv, t, d), (sink_k.dtype,), dev)
-        check_tensor("sink_lens", sink_lens, (bsz,), (torch.int32,), dev)
-        if sink_k.stride() != sink_v.stride():
-            raise KernelArgumentError("sink_k and sink_v must have the same strides")
-    sk, sv, sl = (sink_k, sink_v, sink_lens) if has_sink else (tail_k, tail_v, tail_lens)
-    assert sk is not None and sv is not None and sl is not None
+        _check_staging("sink", sink_k, sink_v, sink_lens, bsz, hkv, t, d, dev)
+        sk, sv, sl = sink_k, sink_v, sink_lens
+    else:  # the kernel ignores these (HAS_SINK=False); any valid pointers do
+        sk, sv, sl = tail_k, tail_v, tail_lens
+    has_sink = sink_k is not None
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     check_tensor("out", out, (bsz, hq, d), FLOAT_DTYPES, dev)
@@ -295,6 +287,10 @@ def _check_staging(
     check_tensor(f"{name}_k", k, (bsz, hkv, t, d), FLOAT_DTYPES, dev)
     check_tensor(f"{name}_v", v, (bsz, hkv, t, d), (k.dtype,), dev)
     check_tensor(f"{name}_lens", lens, (bsz,), (torch.int32,), dev)
+    if k.stride() != v.stride():
+        raise KernelArgumentError(
+            f"{name}_k and {name}_v must have the same strides, got {k.stride()} and {v.stride()}"
+        )
 
 
 def prefill_attention(
