@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="preset directory (default: the user preset directory)")
     p.add_argument("--plot", type=Path, help="Pareto plot PNG (default <out>/<name>.png)")
     p.add_argument("--pareto", action="store_true", help="measure the whole front; write a preset per front point")
-    p.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (the table goes to stderr)")
     p.add_argument("--allow-kv-inversion", action="store_true", help="allow fewer key bits than value bits")
     p.add_argument("--no-per-layer", action="store_true", help="one precision for every layer")
     p.add_argument("--max-protect", type=int, default=4, help="most sensitive layers that may get more bits")
@@ -158,14 +158,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot = None
     if res.trials:
         plot = plot_front(res, args.plot or out_dir / f"{name}.png")
+    human = sys.stderr if args.json else sys.stdout  # --json: stdout is JSON only
+    print(summary_table(res), file=human)
+    for p in written:
+        print(f"wrote {p}  (load it by name: {p.stem})", file=human)
+    if plot:
+        print(f"plot  {plot}", file=human)
     if args.json:
         print(json.dumps(to_json(res, written, plot), indent=2, default=str))
-    else:
-        print(summary_table(res))
-        for p in written:
-            print(f"wrote {p}  (load it by name: {p.stem})")
-        if plot:
-            print(f"plot  {plot}")
     if res.exit_code:
         print(f"kvarn-tune: {res.message}", file=sys.stderr)
     return res.exit_code

@@ -105,6 +105,8 @@ def summary_table(res: TuneResult) -> str:
         lines.append(
             f"{'reference':<10} {r['bits']:>8.4f} {16 / r['bits']:>7.2f} {'-':>9} {_fmt(r['metric']):>9}  {r['name']}"
         )
+    if res.extra:
+        lines.append("time (s): " + ", ".join(f"{k.removesuffix('_seconds')} {v}" for k, v in res.extra.items()))
     lines.append(("OK: " if res.exit_code == 0 else "FAILED: ") + res.message)
     return "\n".join(lines)
 

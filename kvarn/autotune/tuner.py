@@ -64,9 +64,10 @@ class TuneConfig:
     progress: bool = True
 
     def resolved_prune_tokens(self) -> int | None:
-        if self.prune_tokens == -1:
-            return self.tokens // 2
-        return self.prune_tokens or None
+        """Tokens of the partial evaluation; None when too short to read anything quantized
+        (decode mode reads a chunk's own tokens unquantized, so a prefix needs > 1 chunk)."""
+        n = self.tokens // 2 if self.prune_tokens == -1 else self.prune_tokens
+        return n if n and self.chunk < n < self.tokens else None
 
 
 @dataclass
@@ -246,8 +247,15 @@ def tune(
             f"--tokens {config.tokens} is too short for group sizes {config.group_sizes}: a group size needs "
             f"{config.min_tiles} full tiles; raise --tokens to at least {config.min_tiles * min(config.group_sizes)}"
         )
+    if config.sensitivity_tokens and config.per_layer and config.sensitivity_tokens <= config.chunk:
+        raise ValueError(
+            f"--sensitivity-tokens {config.sensitivity_tokens} must exceed the chunk ({config.chunk} tokens): "
+            "decode mode reads quantized tiles only from the next chunk on"
+        )
     calib_ev = factory(calib_text)
     sens = _sensitivity(config, calib_ev, num_layers, head_dim, text_hash(calib_text))
+    t_sens = time.perf_counter()
+    t_sens = time.perf_counter()
     space = SearchSpace(
         num_layers=num_layers,
         ranking=ranking(sens) if sens else (),
@@ -308,9 +316,12 @@ def tune(
         except KeyboardInterrupt:
             interrupted = True
     trials = study.get_trials(deepcopy=False)
-    return _finish(
+    res = _finish(
         config, study_name, trials, space, sens, factory, held_text, sha, head_dim, num_layers, t0, interrupted
     )
+    res.extra["sensitivity_seconds"] = round(t_sens - t0, 1)
+    res.extra["search_seconds"] = round(res.extra.pop("search_end", time.perf_counter()) - t_sens, 1)
+    return res
 
 
 def _trial_rows(trials: list[FrozenTrial], budget: Budget) -> list[dict[str, Any]]:
@@ -400,6 +411,7 @@ def _finish(
         res.exit_code = 2
         res.seconds = time.perf_counter() - t0
         return res
+    res.extra["search_end"] = time.perf_counter()
     held_ev = factory(held_text)
 
     def confirm(c: Candidate) -> Candidate:
@@ -418,12 +430,15 @@ def _finish(
         for c in front:
             if c.heldout is None:
                 confirm(c)
+    t_confirm = time.perf_counter()
+    res.extra["confirm_seconds"] = round(t_confirm - res.extra["search_end"], 1)
     for name in config.compare:
         r = held_ev.evaluate(name, greedy=budget.needs_greedy, progress=config.progress)
         m = measurement_dict(r)
         res.references.append(
             {"name": name, "bits": float(r.bits_per_element), "heldout": m, "metric": metric_of(budget, m)}
         )
+    res.extra["compare_seconds"] = round(time.perf_counter() - t_confirm, 1)
     if res.winner is None:
         c = min(res.confirmed, key=lambda c: budget.violation(c.heldout_metric or 0.0))
         res.closest = c

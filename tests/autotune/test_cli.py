@@ -1,0 +1,86 @@
+"""kvarn-tune's command line: bad arguments fail clearly; a run writes a preset that loads by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import HEAD_DIM, NUM_LAYERS, FakeFactory, sample_text
+
+import kvarn.autotune.cli as cli
+import kvarn.autotune.tuner as tuner
+from kvarn.schemes import get_preset
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeFactory:
+    f = FakeFactory()
+    monkeypatch.setattr(cli, "model_dims", lambda model: (NUM_LAYERS, HEAD_DIM))
+    monkeypatch.setattr(tuner, "harness_factory", lambda config: f)
+    return f
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--budget", "0%"], "must be positive"),
+        (["--budget", "lots"], "not understood"),
+        (["--budget", "1%", "--trials", "0"], "--trials 0"),
+        (["--budget", "1%", "--holdout", "1.5"], "--holdout"),
+        (["--budget", "1%", "--group-sizes", "48"], "allowed 32, 64, 128, 256"),
+        (["--budget", "1%", "--text", "/nonexistent/file.txt"], "--text"),
+        (["--budget", "1%", "--model", "/nonexistent/model"], "neither a built-in alias"),
+    ],
+)
+def test_bad_arguments(args: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(args) == 1
+    assert match in capsys.readouterr().err
+
+
+def test_unwritable_output_fails_before_searching(
+    tmp_path: Path, fake: FakeFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    assert cli.main(["--budget", "1%", "--out", str(blocker / "presets")]) == 1
+    assert "cannot write presets to --out" in capsys.readouterr().err
+    assert fake.made == []  # nothing was evaluated
+
+
+def _run(tmp_path: Path, *extra: str) -> list[str]:
+    text = tmp_path / "calib.txt"
+    text.write_text(sample_text())
+    return [
+        "--budget", "1%", "--text", str(text), "--trials", "12", "--seed", "1", "--out", str(tmp_path / "presets"),
+        "--cache-dir", str(tmp_path / "cache"), "--quiet", *extra,
+    ]  # fmt: skip
+
+
+def test_run_writes_preset_that_loads_by_name(
+    tmp_path: Path, fake: FakeFactory, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(_run(tmp_path, "--name", "my_tuned")) == 0
+    out = capsys.readouterr().out
+    assert "winner" in out and "OK:" in out
+    monkeypatch.setenv("KVARN_PRESET_PATH", str(tmp_path / "presets"))
+    p = get_preset("my_tuned")
+    prov = p.provenance
+    assert prov["model"] == "smollm2-135m" and prov["budget"] == "1%" and prov["metric"] == "ppl"
+    assert prov["heldout"]["delta_ppl_pct"] <= 1.0 and prov["meets_budget_on_heldout"] is True
+    assert prov["bits_per_element"] == pytest.approx(p.scheme.bits_per_element(HEAD_DIM, NUM_LAYERS), abs=1e-6)
+    assert len(prov["text_sha256"]) == 64 and prov["kvarn_version"] and prov["date"].startswith("20")
+    assert set(prov["calibration"]) >= {"ppl", "delta_ppl_pct", "kl"}
+    assert (tmp_path / "presets" / "my_tuned.png").stat().st_size > 1000
+
+
+def test_json_and_unreachable_budget(tmp_path: Path, fake: FakeFactory, capsys: pytest.CaptureFixture[str]) -> None:
+    args = _run(tmp_path, "--json", "--no-per-layer", "--trials", "4")
+    args[1] = "0.001%"
+    assert cli.main(args) == 2
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert data["exit_code"] == 2 and data["winner"] is None and data["presets"] == []
+    assert data["closest"]["scheme"].startswith("kvarn_")
+    assert "unreachable" in captured.err and "closest trade-off" in captured.err
+    assert not list((tmp_path / "presets").glob("*.yaml"))
