@@ -30,7 +30,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvarn.schemes import Scheme, get_preset
 from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
-from kvarn.vllm import torch_path
+from kvarn.vllm import torch_path, triton_path
 from kvarn.vllm.plugin import is_kvarn_dtype, staging_slots
 from kvarn.vllm.staging import RequestPlan, StagingPool
 
@@ -278,6 +278,10 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
             )
         sk, sv = self.stage
         out = output.view(-1, self.num_heads, self.head_size)
-        torch_path.attend(query, key, value, kv_cache, sk, sv, attn_metadata.plans, scheme, self.scale, out)
-        torch_path.commit(key, value, kv_cache, sk, sv, attn_metadata.plans, scheme)
+        # CUDA: the Triton kernels; CPU (and pages wider than this layer's record): the torch path
+        path = torch_path
+        if query.is_cuda and triton_path.usable(kv_cache, scheme, self.head_size):
+            path = triton_path  # type: ignore[assignment]
+        path.attend(query, key, value, kv_cache, sk, sv, attn_metadata.plans, scheme, self.scale, out)
+        path.commit(key, value, kv_cache, sk, sv, attn_metadata.plans, scheme)
         return output

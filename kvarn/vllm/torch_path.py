@@ -94,20 +94,20 @@ def attend(
         output[sl] = unrotate(o, rot).transpose(0, 1).to(output.dtype)
 
 
-def commit(
+def stage_and_collect(
     key: torch.Tensor,
     value: torch.Tensor,
-    cache: torch.Tensor,
     stage_k: torch.Tensor,
     stage_v: torch.Tensor,
     plans: list[RequestPlan],
-    scheme: Scheme,
-) -> None:
-    """Store this step's keys/values: quantize tiles that became full, stage the remainder.
+    group_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+    """Write each request's remainder into its staging slot; return the tiles that became full.
 
-    Shapes as in :func:`attend`. Raises ``ValueError`` (from the codec) on inf/NaN keys or values.
+    Returns:
+        ``([F, H, T, D], [F, H, T, D], block ids [F])`` unrotated keys/values of full tiles, or None.
     """
-    t, d = scheme.group_size, key.shape[2]
+    t = group_size
     tiles_k: list[torch.Tensor] = []
     tiles_v: list[torch.Tensor] = []
     blocks: list[int] = []
@@ -128,10 +128,28 @@ def commit(
             stage_k[p.rem_slot, :, : p.rem_tokens] = tk[:, f:]
             stage_v[p.rem_slot, :, : p.rem_tokens] = tv[:, f:]
     if not blocks:
+        return None
+    return torch.stack(tiles_k), torch.stack(tiles_v), blocks
+
+
+def commit(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: torch.Tensor,
+    stage_k: torch.Tensor,
+    stage_v: torch.Tensor,
+    plans: list[RequestPlan],
+    scheme: Scheme,
+) -> None:
+    """Store this step's keys/values: quantize tiles that became full, stage the remainder.
+
+    Shapes as in :func:`attend`. Raises ``ValueError`` (from the codec) on inf/NaN keys or values.
+    """
+    full = stage_and_collect(key, value, stage_k, stage_v, plans, scheme.group_size)
+    if full is None:
         return
-    n_kv = key.shape[1]
-    k = torch.stack(tiles_k).reshape(len(blocks) * n_kv, t, d)
-    v = torch.stack(tiles_v).reshape(len(blocks) * n_kv, t, d)
-    rec = quantize_tiles(k, v, scheme)  # [F * H, tile_bytes]
+    k, v, blocks = full
+    f, h, t, d = k.shape
+    rec = quantize_tiles(k.reshape(f * h, t, d), v.reshape(f * h, t, d), scheme)  # [F * H, tile_bytes]
     idx = torch.tensor(blocks, dtype=torch.long, device=cache.device)
-    cache[idx, :, 0, : rec.shape[1]] = rec.view(len(blocks), n_kv, 1, -1)[:, :, 0]
+    cache[idx, :, 0, : rec.shape[1]] = rec.view(f, h, -1)

@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 
 from kvarn.codec import dequantize_tiles, quantize_tiles  # noqa: E402
 from kvarn.schemes import Scheme  # noqa: E402
-from kvarn.vllm import torch_path  # noqa: E402
+from kvarn.vllm import torch_path, triton_path  # noqa: E402
 from kvarn.vllm.staging import StagingLostError, StagingPool  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -129,3 +129,27 @@ def test_page_bytes_rejects_unsupported_head_dim_and_fp16_layers() -> None:
         page_bytes(Scheme.from_name("kvarn_k4v2_g128_L0fp16"), 64, 30)
     mixed = Scheme.from_name("kvarn_k4v2_g128_L0-1k4v4")  # wider layers set the page size
     assert page_bytes(mixed, 64, 30) == Scheme(4, 4, 128).tile_bytes(64)
+
+
+def test_triton_path_matches_torch_path_mixed_batch() -> None:
+    """The kernels' path (Triton interpreter on CPU) gives the torch path's outputs on a mixed batch."""
+    torch.manual_seed(1)
+    scheme = Scheme(4, 2, T)
+    h, hq, d = 1, 2, 64
+    caches = [torch.zeros(8, h, 1, scheme.tile_bytes(d), dtype=torch.uint8) for _ in range(2)]
+    stages = [(torch.zeros(2, h, T, d), torch.zeros(2, h, T, d)) for _ in range(2)]
+    pools = [StagingPool(2, T), StagingPool(2, T)]
+    tables = [[1, 2], [3, 4]]
+    # prefill + prefill; decode + chunk (prefill kernel); decode + decode (decode kernel)
+    steps = [([0, 40, 50], [40, 10]), ([0, 1, 21], [41, 30]), ([0, 1, 2], [42, 31])]
+    for qsl, lens in steps:
+        n = qsl[-1]
+        q, k, v = torch.randn(n, hq, d), torch.randn(n, h, d), torch.randn(n, h, d)
+        outs = []
+        for path, cache, (sk, sv), pool in zip((torch_path, triton_path), caches, stages, pools, strict=True):
+            plans = pool.plan(qsl, lens, [row[: (s + T - 1) // T] for row, s in zip(tables, lens, strict=True)])
+            o = torch.zeros(n, hq, d)
+            path.attend(q, k, v, cache, sk, sv, plans, scheme, 0.125, o)
+            path.commit(k, v, cache, sk, sv, plans, scheme)
+            outs.append(o)
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-3, rtol=2e-3)

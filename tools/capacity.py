@@ -1,0 +1,139 @@
+"""KV capacity and decode throughput of kvarn KV-cache dtypes vs vLLM's default cache, through vLLM.
+
+Capacity: the KV tokens vLLM itself reports (blocks x block size) for the same KV memory
+(``VLLM_CPU_KVCACHE_SPACE`` GiB on CPU), for the embedded SmolLM2 (head_dim 64) and a tiny random
+Llama with head_dim 128 (written to a temporary folder). Throughput: greedy decode tokens per second
+after a ``--context``-token prompt, kvarn vs the default cache (CPU_ATTN on vllm-cpu), one run each;
+prefill time is measured separately (``max_tokens=1``) and subtracted.
+
+Usage::
+
+    python tools/capacity.py capacity --kv-gib 1
+    python tools/capacity.py throughput --context 2048 --new-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+@contextmanager
+def engine(model: str, kv_cache_dtype: str, max_model_len: int, **kw: Any) -> Iterator[Any]:
+    """A ``vllm.LLM`` on CPU with 128-token blocks, shut down on exit."""
+    from vllm import LLM
+
+    llm = LLM(
+        model=model,
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=128,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        seed=0,
+        **kw,
+    )
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def kv_tokens(llm: Any) -> int:
+    """KV tokens vLLM allocated: number of blocks x block size."""
+    cfg = llm.llm_engine.vllm_config.cache_config
+    return int(cfg.num_gpu_blocks) * int(cfg.block_size)
+
+
+def capacity(dtypes: list[str], kv_gib: int) -> list[dict[str, Any]]:
+    """KV tokens per (model, dtype) for ``kv_gib`` GiB of KV memory."""
+    from tqdm import tqdm
+
+    from kvarn.models import resolve_model
+    from kvarn.vllm.synthetic import make_tiny_llama
+
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {
+            "smollm2-135m (head_dim 64)": str(resolve_model("smollm2-135m")),
+            "tiny random Llama (head_dim 128)": str(make_tiny_llama(Path(tmp) / "tiny128", head_dim=128)),
+        }
+        jobs = [(m, d) for m in models for d in dtypes]
+        for label, dtype in tqdm(jobs, desc="engines"):
+            with engine(models[label], dtype, 1024, max_num_seqs=4) as llm:
+                rows.append({"model": label, "kv_cache_dtype": dtype, "kv_tokens": kv_tokens(llm)})
+    base = {r["model"]: r["kv_tokens"] for r in rows if r["kv_cache_dtype"] == "auto"}
+    for r in rows:
+        r["vs_default"] = round(r["kv_tokens"] / base[r["model"]], 3) if r["model"] in base else None
+    return rows
+
+
+def throughput(dtypes: list[str], context: int, new_tokens: int) -> list[dict[str, Any]]:
+    """Decode tokens/s after a ``context``-token prompt (GPL-3 text), one request, per dtype."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvarn.models import resolve_model
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = str(resolve_model("smollm2-135m"))
+    text = (Path(__file__).parents[1] / "kvarn" / "data" / "gpl-3.txt").read_text()
+    ids = AutoTokenizer.from_pretrained(model)(text)["input_ids"][:context]
+    prompt = [TokensPrompt(prompt_token_ids=ids)]
+    rows = []
+    for dtype in dtypes:
+        with engine(model, dtype, context + new_tokens + 128, max_num_seqs=4, max_num_batched_tokens=512) as llm:
+            llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # warm-up
+            t0 = time.perf_counter()
+            llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+            prefill = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            llm.generate(prompt, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
+            total = time.perf_counter() - t0
+        decode = max(total - prefill, 1e-9)
+        rows.append(
+            {
+                "kv_cache_dtype": dtype,
+                "context": context,
+                "prefill_s": round(prefill, 2),
+                "decode_tok_per_s": round((new_tokens - 1) / decode, 3),
+            }
+        )
+    base = next((r["decode_tok_per_s"] for r in rows if r["kv_cache_dtype"] == "auto"), None)
+    for r in rows:
+        r["vs_default"] = round(r["decode_tok_per_s"] / base, 3) if base else None
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("capacity", help="KV tokens vLLM reports for the same KV memory")
+    c.add_argument("--kv-gib", type=int, default=1)
+    c.add_argument("--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128", "kvarn_k4v4_g128"])
+    t = sub.add_parser("throughput", help="decode tokens/s at a given context, kvarn vs default")
+    t.add_argument("--context", type=int, default=2048)
+    t.add_argument("--new-tokens", type=int, default=32)
+    t.add_argument("--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128"])
+    args = parser.parse_args()
+    if args.cmd == "capacity":
+        rows = capacity(args.dtypes, args.kv_gib)
+    else:
+        rows = throughput(args.dtypes, args.context, args.new_tokens)
+    print(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
