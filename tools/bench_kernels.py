@@ -183,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import triton.testing
 
-    def bench(fn: object) -> float:  # milliseconds
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100))  # type: ignore[arg-type]
+    def bench(fn: Callable[[], Any]) -> float:  # milliseconds
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100))
 
     batches = args.batches or ([1, 32] if args.quick else [1, 32, 128])
     contexts = args.contexts or ([4096, 32768] if args.quick else [4096, 32768, 131072])
