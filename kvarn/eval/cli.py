@@ -56,7 +56,7 @@ def _positive(what: str, minimum: int) -> Any:
 
 def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``kvarn eval`` to ``kvarn``'s subcommands."""
-    p = subparsers.add_parser(
+    p: argparse.ArgumentParser = subparsers.add_parser(
         "eval",
         help="measure schemes in decode mode on a real model (perplexity, KL, top-1, greedy agreement)",
         description="The text is fed through the quantized cache in chunks, as a server fills tiles; every "

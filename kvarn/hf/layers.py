@@ -101,7 +101,7 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_zeros((b, h, 0, d))
 
 
-class KVarNLayer(CacheLayerMixin):
+class KVarNLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     """The cache of one attention layer. Shapes: ``[batch, kv_heads, tokens, head_dim]``.
 
     Args:
@@ -114,7 +114,7 @@ class KVarNLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, committer: Committer | None, sink_tokens: int = 0, quantize_before_read: bool = False) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.quantize_before_read = quantize_before_read
         self.committer = committer
         self.sink_tokens = sink_tokens

@@ -25,9 +25,14 @@ FP16 = "fp16"
 class BaselineLike(Protocol):
     """The Baseline interface of :mod:`kvarn.baselines` (see its docstring for the semantics)."""
 
-    name: str
-    commit_tokens: int  # tokens quantized together once written
-    window: int  # most recent tokens kept unquantized
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def commit_tokens(self) -> int: ...  # tokens quantized together once written
+
+    @property
+    def window(self) -> int: ...  # most recent tokens kept unquantized
 
     def bits_per_element(self, head_dim: int) -> float: ...
 
