@@ -74,7 +74,7 @@ def sdpa_us(bench: Bench, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
 
         try:
             run()
-        except RuntimeError:  # backend unavailable for this shape or build
+        except (RuntimeError, NotImplementedError, ValueError):  # backend unavailable for this shape or build
             continue
         us = bench(run) * 1e3
         if us < best[0]:
