@@ -156,22 +156,23 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                 f"got {kv_cache_spec.block_size}; pass block_size={t} (--block-size {t})"
             )
         max_seqs = vllm_config.scheduler_config.max_num_seqs
-        self.pool = StagingPool(staging_slots(max_seqs), t)
+        initial, most = staging_slots(max_seqs)
+        self.pool = StagingPool(initial, t, max_slots=most)
         dtype = vllm_config.model_config.dtype
-        per_slot = 2 * kv_cache_spec.num_kv_heads * t * kv_cache_spec.head_size * dtype.itemsize
-        total = per_slot * self.pool.num_slots * len(layer_names)
+        self.per_slot = 2 * kv_cache_spec.num_kv_heads * t * kv_cache_spec.head_size * dtype.itemsize
+        self.per_slot *= len(layer_names)
         logger.warning(
-            "kvarn %s: staging for partial tiles = %d slots x %d layers x %d KiB = %.1f MiB (%s), "
-            "allocated next to the KV cache; %d slots serve max_num_seqs=%d running requests "
-            "(set KVARN_STAGING_SLOTS to change)",
+            "kvarn %s: staging for partial tiles (%s, outside the KV cache space): %d slots = %.1f MiB now, "
+            "growing on demand to max_num_seqs=%d slots = %.1f MiB (%.0f KiB per slot over %d layers); "
+            "set KVARN_STAGING_SLOTS for the initial size",
             self.scheme.name,
-            self.pool.num_slots,
-            len(layer_names),
-            per_slot // 1024,
-            total / 2**20,
             dtype,
-            self.pool.num_slots,
-            max_seqs,
+            initial,
+            initial * self.per_slot / 2**20,
+            most,
+            most * self.per_slot / 2**20,
+            self.per_slot / 1024,
+            len(layer_names),
         )
 
     def build(
@@ -184,7 +185,15 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         t = self.scheme.group_size
         table = m.block_table_tensor[:n].cpu()
         rows = [table[i, : (s + t - 1) // t].tolist() for i, s in enumerate(seq_lens)]
+        grown = len(self.pool.growths)
         plans = self.pool.plan(qsl, seq_lens, rows)
+        if len(self.pool.growths) > grown:
+            logger.warning(
+                "kvarn: staging grew to %d slots = %.1f MiB (bound: %d slots)",
+                self.pool.num_slots,
+                self.pool.num_slots * self.per_slot / 2**20,
+                self.pool.max_slots,
+            )
         return KvarnMetadata(m.num_actual_tokens, plans, self.pool.num_slots)
 
 
@@ -270,12 +279,13 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         if attn_metadata is None:  # profiling / warm-up
             return output
         scheme = self._layer_scheme(layer)
-        if self.stage is None or self.stage[0].shape[0] != attn_metadata.num_slots:
+        if self.stage is None or self.stage[0].shape[0] < attn_metadata.num_slots:
             shape = (attn_metadata.num_slots, self.num_kv_heads, scheme.group_size, self.head_size)
-            self.stage = (
-                torch.zeros(shape, dtype=key.dtype, device=key.device),
-                torch.zeros(shape, dtype=key.dtype, device=key.device),
-            )
+            grown = [torch.zeros(shape, dtype=key.dtype, device=key.device) for _ in range(2)]
+            if self.stage is not None:  # the pool grew: keep what is staged
+                for new, old in zip(grown, self.stage, strict=True):
+                    new[: old.shape[0]] = old
+            self.stage = (grown[0], grown[1])
         sk, sv = self.stage
         out = output.view(-1, self.num_heads, self.head_size)
         # CUDA: the Triton kernels; CPU (and pages wider than this layer's record): the torch path

@@ -37,6 +37,7 @@ PREFIX = "kvarn_"
 BACKEND_PATH = "kvarn.vllm.backend.KvarnAttentionBackend"
 BACKEND_NAME = "KVARN"
 STAGING_SLOTS_ENV = "KVARN_STAGING_SLOTS"
+DEFAULT_INITIAL_SLOTS = 16
 _REGISTERED: set[str] = set()
 _PATCHED: set[str] = set()
 
@@ -46,17 +47,42 @@ def is_kvarn_dtype(cache_dtype: object) -> bool:
     return isinstance(cache_dtype, str) and (cache_dtype.startswith(PREFIX) or cache_dtype in _REGISTERED)
 
 
-def staging_slots(max_num_seqs: int) -> int:
-    """Staging slots for partial tiles: ``KVARN_STAGING_SLOTS`` if set, else ``max_num_seqs``.
+def staging_slots(max_num_seqs: int) -> tuple[int, int]:
+    """(initial, maximum) staging slots for partial tiles.
 
-    The entry point's module is the one place the plugin reads the environment.
+    Initial: ``KVARN_STAGING_SLOTS`` if set, else ``min(max_num_seqs, 16)``; the pool grows on demand
+    up to ``max(max_num_seqs, initial)``. The entry point's module is the one place the plugin
+    reads the environment.
     """
     raw = os.environ.get(STAGING_SLOTS_ENV, "")
-    if not raw:
-        return max_num_seqs
-    if not raw.isdigit() or int(raw) < 1:
+    if raw and (not raw.isdigit() or int(raw) < 1):
         raise ValueError(f"{STAGING_SLOTS_ENV}={raw!r} must be a positive integer")
-    return int(raw)
+    initial = int(raw) if raw else min(max_num_seqs, DEFAULT_INITIAL_SLOTS)
+    return initial, max(max_num_seqs, initial)
+
+
+def _patch_model_runner() -> None:
+    """Publish, each step, the last block of every request the runner holds (see kvarn.vllm.staging)."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:  # pragma: no cover - other runner layouts: the pool then reclaims LRU only
+        return
+    if getattr(GPUModelRunner, "_kvarn_live_hook", False):
+        return
+    original = GPUModelRunner._update_states
+
+    def _update_states(self: Any, scheduler_output: Any) -> Any:
+        result = original(self, scheduler_output)
+        from kvarn.vllm.staging import LIVE_BLOCKS
+
+        try:
+            LIVE_BLOCKS["blocks"] = {ids[-1] for r in self.requests.values() for ids in r.block_ids if ids}
+        except AttributeError:  # pragma: no cover - a runner without per-request block ids
+            LIVE_BLOCKS["blocks"] = None
+        return result
+
+    GPUModelRunner._update_states = _update_states  # type: ignore[method-assign]
+    GPUModelRunner._kvarn_live_hook = True  # type: ignore[attr-defined]
 
 
 def known_names() -> list[str]:
@@ -238,6 +264,7 @@ def register() -> None:
     _register_backend()
     _patch_platform()
     _patch_engine_args()
+    _patch_model_runner()
     logger.debug("kvarn: registered %d KV-cache dtypes: %s", len(names), ", ".join(names))
 
 

@@ -6,14 +6,16 @@ slot* (``[num_kv_heads, group_size, head_dim]`` keys and values per layer, in th
 keyed by the block id. When the block fills, its tile is quantized into the page and the slot is
 released (one step later, so no request of the same step can still be reading it).
 
-Bound: a running request owns at most one partially filled block (its last one), so
-``num_slots = max_num_seqs`` slots are enough for every request the scheduler can run at once.
-Slots of blocks that were abandoned while partial (a finished or preempted request) are reclaimed
-when the block is reused from offset 0, or, when the pool runs out, least recently used first
-among blocks no request of the current step references. A reclaimed block that a later step still
-needs raises :class:`StagingLostError` instead of reading stale memory. The pool never blocks a
-request (no silent concurrency cap): its size is logged at start-up and raised with
-``KVARN_STAGING_SLOTS``.
+Bound: a request owns at most one partially filled block (its last one), so ``max_num_seqs``
+slots serve every request the scheduler can run at once. The pool starts smaller and grows on
+demand up to that bound (each growth is logged), so a server with a large ``max_num_seqs`` does not
+pay for staging it never uses. When no slot is free, the pool first reclaims slots of *dead*
+blocks: the model runner publishes, every step, the last block of every request it still holds
+(:data:`LIVE_BLOCKS`, set by the plugin); a staged block outside that set belongs to a finished or
+preempted request. Only then does it grow; at the bound it reclaims the least recently used slot
+that no request of this step touches. A reclaimed block that a later step still needs raises
+:class:`StagingLostError` instead of reading stale memory. The pool never blocks a request (no
+silent concurrency cap).
 
 This module is pure bookkeeping (no tensors): the planner, :class:`StagingPool`, runs once per step
 in the metadata builder and every layer applies the same plan to its own staging tensors.
@@ -22,6 +24,10 @@ in the metadata builder and every layer applies the same plan to its own staging
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+# Last block id of every request the model runner holds, refreshed each step by the plugin's hook on
+# the runner (None: no hook ran, every staged block counts as possibly live).
+LIVE_BLOCKS: dict[str, set[int] | None] = {"blocks": None}
 
 
 class StagingLostError(RuntimeError):
@@ -49,6 +55,7 @@ class StagingPool:
 
     num_slots: int
     block_size: int
+    max_slots: int = 0  # grow on demand up to this many slots (0: never grow)
     slot_of_block: dict[int, int] = field(default_factory=dict)
     fill: dict[int, int] = field(default_factory=dict)  # slot -> staged tokens
     last_step: dict[int, int] = field(default_factory=dict)  # slot -> step it was last used
@@ -60,7 +67,9 @@ class StagingPool:
     def __post_init__(self) -> None:
         if self.num_slots < 1:
             raise ValueError(f"num_slots={self.num_slots} must be >= 1")
+        self.max_slots = max(self.max_slots, self.num_slots)
         self._free = list(range(self.num_slots - 1, -1, -1))
+        self.growths: list[int] = []  # pool sizes after each growth (for logging)
 
     def _release(self, block: int) -> None:
         slot = self.slot_of_block.pop(block, None)
@@ -71,21 +80,29 @@ class StagingPool:
     def _allocate(self, block: int, busy_blocks: set[int]) -> int:
         self._release(block)  # reused from offset 0: whatever was staged for it is stale
         self.lost.discard(block)
-        if not self._free:
-            victims = sorted(
-                (self.last_step.get(s, -1), b) for b, s in self.slot_of_block.items() if b not in busy_blocks
+        if self._free:
+            return self._free.pop()
+        live = LIVE_BLOCKS["blocks"]
+        idle = [(self.last_step.get(s, -1), b) for b, s in self.slot_of_block.items() if b not in busy_blocks]
+        dead = [c for c in idle if live is not None and c[1] not in live]
+        if not dead and self.num_slots < self.max_slots:
+            grown = min(2 * self.num_slots, self.max_slots)
+            self._free = list(range(grown - 1, self.num_slots - 1, -1))
+            self.num_slots = grown
+            self.growths.append(grown)
+            return self._free.pop()
+        victims = sorted(dead or idle)
+        if not victims:
+            raise StagingLostError(
+                f"all {self.num_slots} kvarn staging slots hold blocks of this step's requests; "
+                "raise max_num_seqs or KVARN_STAGING_SLOTS"
             )
-            if not victims:
-                raise StagingLostError(
-                    f"all {self.num_slots} kvarn staging slots hold blocks of this step's requests; "
-                    "raise KVARN_STAGING_SLOTS (default: max_num_seqs)"
-                )
-            _, victim = victims[0]
-            slot = self.slot_of_block.pop(victim)
-            self.fill.pop(slot, None)
+        _, victim = victims[0]
+        slot = self.slot_of_block.pop(victim)
+        self.fill.pop(slot, None)
+        if not dead:
             self.lost.add(victim)
-            return slot
-        return self._free.pop()
+        return slot
 
     def plan(
         self,

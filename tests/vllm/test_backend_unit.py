@@ -47,6 +47,21 @@ def test_planner_reclaims_abandoned_blocks_and_never_reads_lost_ones() -> None:
         pool.plan([0, 1], [6], [[3]])  # A comes back: an error, never stale tokens
 
 
+def test_planner_grows_for_live_blocks_and_reclaims_dead_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvarn.vllm import staging
+
+    pool = StagingPool(num_slots=1, block_size=T, max_slots=4)
+    monkeypatch.setitem(staging.LIVE_BLOCKS, "blocks", {3})
+    pool.plan([0, 5], [5], [[3]])  # A stages block 3 and stays live (unscheduled next step)
+    pool.plan([0, 5], [5], [[4]])  # B: no free slot, A is live -> the pool grows instead of evicting
+    assert pool.num_slots == 2 and pool.growths == [2] and set(pool.slot_of_block) == {3, 4}
+    monkeypatch.setitem(staging.LIVE_BLOCKS, "blocks", {3, 5})  # B finished: block 4 is dead
+    pool.plan([0, 5], [5], [[5]])
+    assert pool.num_slots == 2 and set(pool.slot_of_block) == {3, 5} and not pool.lost
+    (p,) = pool.plan([0, 1], [6], [[3]])  # A resumes with its staged tokens intact
+    assert p.staged_read == 5
+
+
 def test_planner_dummy_requests_on_null_block() -> None:
     pool = StagingPool(num_slots=1, block_size=T)
     (p,) = pool.plan([0, 16], [16], [[0]])

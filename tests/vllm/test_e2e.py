@@ -24,7 +24,7 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CHUNK = 256  # max_num_batched_tokens: a 600-token prompt prefills in 3 chunks; chunks 2-3 read tiles
-PROMPT_START, PROMPT_LEN, GEN_LEN = 200, 600, 64
+PROMPT_START, PROMPT_LEN, GEN_LEN = 0, 600, 64  # the text's first tokens: the accuracy harness's too
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -39,6 +39,7 @@ def _plugin() -> None:
 class RunResult:
     kv_tokens: int  # what vLLM reports: num blocks x block size
     prompt_logprobs: list[float]  # per prompt token (the first has none)
+    prompt_top1: list[int]  # the most likely token at each of those positions
     generated: list[int]  # greedy tokens after the prompt
     text: str
     forced_top1: list[int]  # top-1 token at each position of the default's continuation (teacher forcing)
@@ -90,16 +91,17 @@ def _run(kv_cache_dtype: str, reference: list[int] | None = None) -> RunResult:
     with _engine(kv_cache_dtype) as llm:
         cfg = llm.llm_engine.vllm_config.cache_config
         kv_tokens = int(cfg.num_gpu_blocks) * int(cfg.block_size)
-        sp = SamplingParams(max_tokens=GEN_LEN, temperature=0, prompt_logprobs=0)
+        sp = SamplingParams(max_tokens=GEN_LEN, temperature=0, prompt_logprobs=1)
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
-        lps = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+        lps = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+        top1 = [next(t for t, lp in d.items() if lp.rank == 1) for d in out.prompt_logprobs[1:]]
         forced: list[int] = []
         if reference is not None:  # teacher forcing on the default cache's continuation
             sp1 = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
             o = llm.generate([TokensPrompt(prompt_token_ids=ids + reference)], sp1, use_tqdm=False)[0]
             for d in o.prompt_logprobs[len(ids) : len(ids) + len(reference)]:
                 forced.append(next(t for t, lp in d.items() if lp.rank == 1))
-    return RunResult(kv_tokens, lps, list(out.outputs[0].token_ids), out.outputs[0].text, forced)
+    return RunResult(kv_tokens, lps, top1, list(out.outputs[0].token_ids), out.outputs[0].text, forced)
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +209,24 @@ def test_e_unset_block_size_becomes_tile_size() -> None:
 
     args = EngineArgs(model=str(resolve_model("smollm2-135m")), kv_cache_dtype="kvarn_k4v2_g64")
     assert args.block_size == 64
+
+
+def test_f_vllm_and_harness_agree(default_run: RunResult, k4v4_run: RunResult) -> None:
+    """Top-1 agreement and perplexity change of kvarn_k4v4_g128 vs the 16-bit cache: vLLM vs kvarn.eval.
+
+    Same tokens (the text's first 600), same chunking (256), chunks read their own tokens
+    unquantized in both. vLLM runs the model in bfloat16 on CPU_ATTN / the kvarn backend; the
+    harness in float32 through transformers, so the two agree only within a tolerance.
+    """
+    import math
+
+    from kvarn.eval import Evaluator
+
+    harness = Evaluator("smollm2-135m", tokens=PROMPT_LEN, chunk=CHUNK, greedy_tokens=0).evaluate("kvarn_k4v4_g128")
+    n = len(default_run.prompt_top1)
+    top1 = sum(a == b for a, b in zip(default_run.prompt_top1, k4v4_run.prompt_top1, strict=True)) / n
+    nll_a, nll_b = -sum(default_run.prompt_logprobs) / n, -sum(k4v4_run.prompt_logprobs) / n
+    dppl = 100 * (math.exp(nll_b - nll_a) - 1)
+    assert harness.tokens == PROMPT_LEN
+    assert abs(top1 - harness.top1_agreement) <= 0.06, (top1, harness.top1_agreement)
+    assert abs(dppl - harness.delta_ppl_pct) <= 2.0, (dppl, harness.delta_ppl_pct)
