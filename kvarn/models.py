@@ -151,5 +151,5 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, cache_dir:
         tok = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
         raise ModelNotFoundError(f"could not load the model in {folder}: {e}") from e
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
     return model, tok
