@@ -103,7 +103,7 @@ def _convert(gguf: Path, out: Path) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.torch_dtype = torch.float32
-    dst = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    dst = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     missing, unexpected = dst.load_state_dict(src.state_dict(), strict=False)
     if unexpected or [m for m in missing if "lm_head" not in m]:
         raise ModelNotFoundError(f"converting {gguf} failed: missing {missing}, unexpected {unexpected}")
