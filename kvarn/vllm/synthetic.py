@@ -35,8 +35,10 @@ def write_config_only(folder: Path, **overrides: Any) -> Path:
     return folder
 
 
-def make_tiny_llama(folder: Path, head_dim: int = 128, num_layers: int = 2, seed: int = 0) -> Path:
-    """A random Llama with ``head_dim`` (2 query heads, 1 KV head) and SmolLM2's tokenizer, in ``folder``."""
+def make_tiny_llama(
+    folder: Path, head_dim: int = 128, num_layers: int = 2, seed: int = 0, num_heads: int = 2, num_kv_heads: int = 1
+) -> Path:
+    """A random Llama with ``head_dim`` and SmolLM2's tokenizer, in ``folder``; returns ``folder``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -45,10 +47,10 @@ def make_tiny_llama(folder: Path, head_dim: int = 128, num_layers: int = 2, seed
     src = Path(resolve_model("smollm2-135m"))
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=2 * head_dim,
-        intermediate_size=4 * head_dim,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        hidden_size=num_heads * head_dim,
+        intermediate_size=2 * num_heads * head_dim,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         num_hidden_layers=num_layers,
         vocab_size=49152,
