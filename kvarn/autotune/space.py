@@ -239,27 +239,35 @@ def layer_sensitivity(
         measure: scheme -> metric on a short prefix (higher = more damage).
         num_layers: layers of the model.
         probe: low-bit scheme applied to one layer at a time; the other layers stay unquantized.
-        cache_file: JSON cache; reused when present (its key is in the file name).
+        cache_file: JSON cache, written after every layer; reused (and completed) when present.
         progress: show a tqdm bar.
 
     Returns:
         ``num_layers`` floats, index = layer.
     """
+    done: list[float] = []
     if cache_file is not None and cache_file.is_file():
         data = json.loads(cache_file.read_text())
-        if len(data.get("sensitivity", [])) == num_layers:
-            return [float(x) for x in data["sensitivity"]]
+        if data.get("probe") == probe.name:
+            done = [float(x) for x in data.get("sensitivity", [])][:num_layers]
+    if len(done) == num_layers:
+        return done
     from tqdm import tqdm
 
-    out = []
-    for layer in tqdm(range(num_layers), desc="layer sensitivity", disable=not progress, leave=False):
-        out.append(float(measure(only_layer(probe, layer, num_layers))))
-    if cache_file is not None:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"probe": probe.name, "sensitivity": out}))
-        tmp.replace(cache_file)
-    return out
+    def save() -> None:
+        if cache_file is not None:  # after every layer: an interrupted pass resumes where it stopped
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"probe": probe.name, "sensitivity": done}))
+            tmp.replace(cache_file)
+
+    bar = tqdm(range(num_layers), desc="layer sensitivity", disable=not progress, leave=False, initial=len(done))
+    for layer in range(len(done), num_layers):
+        done.append(float(measure(only_layer(probe, layer, num_layers))))
+        save()
+        bar.update(1)
+    bar.close()
+    return done
 
 
 def ranking(sensitivity: Sequence[float]) -> tuple[int, ...]:

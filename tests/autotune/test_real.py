@@ -17,8 +17,8 @@ def test_small_real_run_writes_loadable_preset(tmp_path: Path, monkeypatch: pyte
 
     out = tmp_path / "presets"
     rc = main(
-        ["--model", "smollm2-135m", "--budget", "3%", "--tokens", "384", "--trials", "5", "--seed", "0",
-         "--sensitivity-tokens", "192", "--group-sizes", "32,64", "--confirm", "2", "--name", "real_small",
+        ["--model", "smollm2-135m", "--budget", "3%", "--tokens", "384", "--trials", "4", "--seed", "0",
+         "--sensitivity-tokens", "0", "--group-sizes", "32,64", "--confirm", "2", "--name", "real_small",
          "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--quiet"]
     )  # fmt: skip
     assert rc == 0

@@ -120,3 +120,7 @@ def test_sensitivity_pass_is_cached(tmp_path) -> None:
     assert ranking(sens) == (5, 1, 2, 3, 0, 4)
     again = layer_sensitivity(measure, 6, Scheme(2, 2, 128), cache, progress=False)
     assert again == sens and len(calls) == 6  # read from disk, nothing re-measured
+    # an interrupted pass resumes at the first missing layer
+    cache.write_text('{"probe": "kvarn_k2v2_g128", "sensitivity": [0.1, 0.5, 0.2, 0.2]}')
+    assert layer_sensitivity(measure, 6, Scheme(2, 2, 128), cache, progress=False) == sens
+    assert len(calls) == 8
