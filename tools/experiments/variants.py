@@ -1,0 +1,132 @@
+"""Codec variants for accuracy experiments: a copy of the reference ``_encode_side`` with knobs.
+
+Nothing here changes ``kvarn.codec``; every variant returns the round trip (dequantized keys and
+values) so :mod:`tools.experiments.decode_eval` can measure it in decode mode. With the default
+knobs :func:`variant_roundtrip` equals the reference codec exactly (checked in ``__main__``).
+
+Knobs:
+    refit: after the codes of an iterate are chosen, re-fit the stored continuous parameters with
+        the codes fixed (least squares), then round them to fp16 like the codec stores them:
+        ``"none"``, ``"factor"`` (the per-token key factor / per-channel value factor),
+        ``"affine"`` (the per-slice scale and zero point), ``"both"`` (affine, then factor).
+    select: how the best normalization iterate is chosen: ``"mse"`` (reference), ``"last"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvarn.codec.normalize import sinkhorn_iterates
+from kvarn.codec.params import quantize_affine, store_positive
+from kvarn.codec.rotation import rotate, unrotate
+from kvarn.schemes import Scheme, get_scheme
+
+_MIN_MAGNITUDE = 2.0**-14
+
+
+def _fp16(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-65504.0, 65504.0).to(torch.float16).float()
+
+
+def _refit_affine(
+    x: torch.Tensor, codes: torch.Tensor, f: torch.Tensor, dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Least-squares (scale, offset, ok) per slice along ``dim`` of ``x ~ (codes*s + o) * f``, codes fixed.
+
+    ``ok`` is False where the fit is degenerate (all codes equal) or gives a non-positive scale;
+    callers keep the min/max parameters there.
+    """
+    q = codes.float() * f
+    w = f
+    # minimize sum (x - s*q - o*w)^2 over s, o per slice
+    sqq, sqw, sww = (q * q).sum(dim, keepdim=True), (q * w).sum(dim, keepdim=True), (w * w).sum(dim, keepdim=True)
+    sxq, sxw = (x * q).sum(dim, keepdim=True), (x * w).sum(dim, keepdim=True)
+    det = sqq * sww - sqw * sqw
+    ok = det.abs() > 1e-12 * (sqq * sww).clamp_min(1e-30)
+    safe = torch.where(ok, det, torch.ones_like(det))
+    s, o = (sxq * sww - sxw * sqw) / safe, (sxw * sqq - sxq * sqw) / safe
+    return s, o, ok & (s > 0)
+
+
+def _refit_factor(x: torch.Tensor, y: torch.Tensor, fdim: int, bias_weight: float) -> torch.Tensor:
+    """Factor per slice (reduced over ``fdim``) minimizing ``|x - f y|^2 + bias_weight * (sum(x - f y))^2``."""
+    sxy, syy = (x * y).sum(fdim, keepdim=True), (y * y).sum(fdim, keepdim=True)
+    sx, sy = x.sum(fdim, keepdim=True), y.sum(fdim, keepdim=True)
+    num, den = sxy + bias_weight * sx * sy, syy + bias_weight * sy * sy
+    return torch.where(den > 1e-30, num / den.clamp_min(1e-30), torch.ones_like(den))
+
+
+def encode_side(
+    x: torch.Tensor,
+    bits: int,
+    per_channel: bool,
+    scheme: Scheme,
+    refit: str = "none",
+    select: str = "mse",
+    bias_weight: float = 0.0,
+    weight: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Round trip of rotated tiles ``x`` ``[N, T, D]`` float32 -> dequantized ``[N, T, D]`` (rotated)."""
+    quant_dim = 1 if per_channel else 2
+    fdim = 2 if per_channel else 1  # the factor of keys is per token (reduce over channels)
+    base = torch.sqrt(x.abs().amax(dim=(1, 2), keepdim=True).clamp_min(_MIN_MAGNITUDE))
+    best = torch.zeros_like(x)
+    best_err = torch.full((x.shape[0],), float("inf"))
+    w = weight(x) if weight is not None else torch.ones_like(x)
+    iterates = list(sinkhorn_iterates(x, scheme.norm_iters))
+    for it, (log_r, log_c) in enumerate(iterates):
+        log_f = log_r if per_channel else log_c
+        _, f = store_positive(torch.exp(log_f) * base, scheme.scale_dtype, round_up=False)
+        f = f.clamp_min(1e-30)
+        codes, _, _, s, o = quantize_affine(x / f, bits, quant_dim, scheme.scale_dtype)
+        if refit in ("affine", "both"):
+            s2, o2, ok = _refit_affine(x, codes, f.expand_as(x), quant_dim)
+            s, o = torch.where(ok, _fp16(s2), s), torch.where(ok, _fp16(o2), o)
+        y = codes.float() * s + o
+        if refit in ("factor", "both"):
+            f = _fp16(_refit_factor(x, y, fdim, bias_weight))
+        xh = y * f
+        err = ((xh - x).square() * w).sum(dim=(1, 2))
+        if select == "last":
+            err = torch.full_like(err, -float(it))
+        better = err < best_err
+        best = torch.where(better[:, None, None], xh, best)
+        best_err = torch.minimum(err, best_err)
+    return best
+
+
+def variant_roundtrip(
+    name: str, **knobs: object
+) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Keys/values ``[N, T, D]`` -> round trip through the variant of scheme ``name``."""
+    scheme = get_scheme(name)
+    kk = {k[2:]: v for k, v in knobs.items() if k.startswith("k_")}
+    vk = {k[2:]: v for k, v in knobs.items() if k.startswith("v_")}
+    both = {k: v for k, v in knobs.items() if not k.startswith(("k_", "v_"))}
+
+    def rt(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kr = encode_side(rotate(k, scheme.rotation), scheme.key_bits, True, scheme, **{**both, **kk})  # type: ignore[arg-type]
+        vr = encode_side(rotate(v, scheme.rotation), scheme.value_bits, False, scheme, **{**both, **vk})  # type: ignore[arg-type]
+        return unrotate(kr, scheme.rotation), unrotate(vr, scheme.rotation)
+
+    return rt
+
+
+if __name__ == "__main__":
+    from tools.experiments.decode_eval import scheme_roundtrip
+
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(6, 128, 64, generator=g) * torch.rand(1, 1, 64, generator=g) * 5
+    k[:, 0] *= 20
+    v = torch.randn(6, 128, 64, generator=g)
+    for name in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g128_it0"):
+        a, b = scheme_roundtrip(name)(k, v), variant_roundtrip(name)(k, v)
+        assert torch.allclose(a[0], b[0], atol=1e-5) and torch.allclose(a[1], b[1], atol=1e-5), name
+        for refit in ("factor", "affine", "both"):
+            c = variant_roundtrip(name, refit=refit)(k, v)
+            e0 = [float((x - y).square().mean()) for x, y in zip((k, v), b, strict=True)]
+            e1 = [float((x - y).square().mean()) for x, y in zip((k, v), c, strict=True)]
+            print(name, refit, f"mse keys {e0[0]:.4g} -> {e1[0]:.4g}, values {e0[1]:.4g} -> {e1[1]:.4g}")
+    print("variants match the reference codec")
