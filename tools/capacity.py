@@ -4,7 +4,8 @@ Capacity: the KV tokens vLLM itself reports (blocks x block size) for the same K
 (``VLLM_CPU_KVCACHE_SPACE`` GiB on CPU), for the embedded SmolLM2 (head_dim 64) and a tiny random
 Llama with head_dim 128 (written to a temporary folder). Throughput: greedy decode tokens per second
 after a ``--context``-token prompt, kvarn vs the default cache (CPU_ATTN on vllm-cpu), one run each;
-prefill time is measured separately (``max_tokens=1``) and subtracted.
+the same request with ``max_tokens=1`` is timed and subtracted (a warm-up request puts the prompt in
+vLLM's prefix cache first, so that time covers the last uncached chunk and the first token).
 
 Usage::
 
