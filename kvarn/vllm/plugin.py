@@ -231,16 +231,20 @@ def _patch_engine_args() -> None:
     post_init = EngineArgs.__post_init__
     create = EngineArgs.create_engine_config
 
-    def __post_init__(self: Any) -> None:
+    def resolve(self: Any) -> None:
         name = getattr(self, "kv_cache_dtype", None)
         if is_kvarn_dtype(name):
             preset = get_preset(name)  # raises UnknownSchemeError listing the known names
             register_dtypes([preset.name])  # canonical names not scanned at start-up
             if self.block_size is None:
                 self.block_size = preset.scheme.group_size
+
+    def __post_init__(self: Any) -> None:
+        resolve(self)
         post_init(self)
 
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        resolve(self)  # again: vLLM loads plugins inside the first EngineArgs.__post_init__
         config = create(self, *args, **kwargs)
         if is_kvarn_dtype(config.cache_config.cache_dtype):
             check_model(config.cache_config.cache_dtype, config)
