@@ -66,6 +66,8 @@ def page_bytes(scheme: Scheme, head_dim: int, num_layers: int) -> int:
         raise ValueError(
             f"{scheme.name}: head_dim {head_dim} is not supported; supported: {', '.join(map(str, ALLOWED_HEAD_DIMS))}"
         )
+    if scheme.sink_tile:
+        raise ValueError(f"{scheme.name}: sink_tile presets are not served by the vLLM backend yet")
     sizes = []
     for layer in range(max(num_layers, 1)):
         s = scheme.for_layer(layer)

@@ -196,6 +196,11 @@ def check_model(name: str, vllm_config: Any) -> None:
             f"got block_size={block}; pass block_size={scheme.group_size} (--block-size {scheme.group_size}) "
             "or leave it unset"
         )
+    if scheme.sink_tile:
+        raise ValueError(
+            f"kv_cache_dtype={name!r}: sink_tile presets (first tile kept unquantized) are not served by the "
+            "vLLM backend yet; use the same preset without _sink"
+        )
     if model is None:
         return
     bad = []

@@ -142,6 +142,8 @@ def test_page_bytes_rejects_unsupported_head_dim_and_fp16_layers() -> None:
         page_bytes(s, 80, 30)
     with pytest.raises(ValueError, match="layer 0 is unquantized"):
         page_bytes(Scheme.from_name("kvarn_k4v2_g128_L0fp16"), 64, 30)
+    with pytest.raises(ValueError, match="sink_tile"):
+        page_bytes(Scheme.from_name("kvarn_k4v2_g128_sink"), 64, 30)
     mixed = Scheme.from_name("kvarn_k4v2_g128_L0-1k4v4")  # wider layers set the page size
     assert page_bytes(mixed, 64, 30) == Scheme(4, 4, 128).tile_bytes(64)
 
