@@ -4,6 +4,9 @@ Steps (each a function ``(args) -> exit code``, run in order; later features app
 
 1. ``presets``  -- the scheme table at the model's head_dim (64 for SmolLM2-135M).
 2. ``accuracy`` -- ``kvarn eval`` in decode mode for fp16, the kvarn presets and the baselines.
+3. ``tune``     -- ``kvarn-tune`` at a 1% perplexity budget in a small, fast setting; writes a preset.
+4. ``serve``    -- vLLM (when installed) serves the model with the tuned preset if vLLM can serve it,
+   else ``kvarn_k4v2_g128``, and prints the KV capacity gained and a sample generation.
 
 The default accuracy run is shortened (1024 tokens, 64 greedy tokens: minutes on 2 cores);
 ``--full`` is the measurement behind docs/accuracy.md (2048 tokens, 256 greedy tokens).
@@ -37,7 +40,42 @@ def step_accuracy(args: argparse.Namespace) -> int:
     return kvarn_main(argv)
 
 
-STEPS: list[tuple[str, Step]] = [("presets", step_presets), ("accuracy", step_accuracy)]
+_TUNED: list[str] = []  # the preset the tune step wrote, for the serve step
+
+
+def step_tune(args: argparse.Namespace) -> int:
+    """A fast ``kvarn-tune`` run at a 1% perplexity budget (its own errors are reported, not fatal)."""
+    from kvarn.run_tune import tune_default
+
+    name = tune_default(args.model, "1%")
+    if name is None:
+        print("kvarn-tune wrote no preset in the fast setting; the serve step uses kvarn_k4v2_g128")
+    else:
+        print(f"tuned preset: {name} (in the user preset directory; `kvarn presets` lists it)")
+        _TUNED.append(name)
+    return 0
+
+
+def step_serve(args: argparse.Namespace) -> int:
+    """Serve through vLLM with a kvarn preset; prints capacity vs the 16-bit cache and a sample."""
+    from kvarn.run_vllm import main as vllm_main
+
+    candidates = [*_TUNED, "kvarn_k4v2_g128"]
+    for preset in candidates:
+        try:
+            if vllm_main(["--model", args.model, "--preset", preset]) == 0:
+                return 0
+        except Exception as e:  # a start-up refusal (e.g. a layout the backend does not serve) is reported
+            print(f"vLLM could not serve {preset}: {e}")
+    return 1
+
+
+STEPS: list[tuple[str, Step]] = [
+    ("presets", step_presets),
+    ("accuracy", step_accuracy),
+    ("tune", step_tune),
+    ("serve", step_serve),
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

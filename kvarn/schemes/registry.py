@@ -104,7 +104,7 @@ def get_preset(name: str, dirs: list[Path] | None = None) -> Preset:
             reason = ""
     else:
         reason = ""
-    valid = [*BUILTINS, *sorted(user)]
+    valid = [*BUILTINS, *sorted(set(user) - set(BUILTINS))]
     close = difflib.get_close_matches(name, valid, n=1)
     msg = f"unknown kvarn scheme {name!r}{reason}. Known: {', '.join(valid)}"
     if close:
