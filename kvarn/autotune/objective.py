@@ -97,6 +97,8 @@ class Objective:
     pareto: bool = False
     progress: bool = False
     on_measured: Callable[[str, dict[str, Any]], None] | None = None
+    chunk: int = 128
+    tokens: int | None = None  # the evaluator's length; a partial evaluation must stay below it
 
     def __post_init__(self) -> None:
         self.cache: dict[str, dict[str, Any]] = {}
@@ -120,6 +122,20 @@ class Objective:
         )
         return measurement_dict(r)
 
+    def partial_tokens(self, scheme: Scheme) -> int | None:
+        """Prefix length of the partial evaluation for ``scheme``, or None to skip it.
+
+        Decode mode reads a tile quantized only from the chunk after the one that filled it, and a
+        sink tile is never quantized, so a prefix must reach past the first quantized tile's chunk
+        (measured: a 256-token prefix reads nothing quantized of ``g128_sink``).
+        """
+        if not self.prune_tokens:
+            return None
+        first_tile_end = scheme.group_size * (2 if scheme.sink_tile else 1)
+        first_read = -(-first_tile_end // self.chunk) * self.chunk
+        n = max(self.prune_tokens, first_read + self.chunk)
+        return n if self.tokens is None or n < self.tokens else None
+
     def _prune_partial(self, trial: optuna.Trial, partial: dict[str, Any]) -> None:
         value = metric_of(self.budget, partial)
         trial.set_user_attr("partial", partial)
@@ -141,12 +157,12 @@ class Objective:
                 raise optuna.TrialPruned("cannot beat the best feasible bits")
         measured = self.cache.get(scheme.name)
         if measured is None:
-            use_partial = bool(self.prune_tokens) and not self.budget.needs_greedy
-            if use_partial:
+            n_partial = None if self.budget.needs_greedy else self.partial_tokens(scheme)
+            if n_partial is not None:
                 partial = self.partial_cache.get(scheme.name)
                 if partial is None:
                     trial.set_user_attr("evaluated", True)
-                    partial = self._evaluate(scheme, self.prune_tokens)
+                    partial = self._evaluate(scheme, n_partial)
                     self.partial_cache[scheme.name] = partial
                 self._prune_partial(trial, partial)
             trial.set_user_attr("evaluated", True)

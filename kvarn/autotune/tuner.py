@@ -282,7 +282,15 @@ def tune(
         if t.state == TrialState.RUNNING:  # left behind by a killed process: not resumable
             study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
     objective = Objective(
-        space, config.budget, calib_ev, head_dim, num_layers, prune_tokens=prune_tokens, pareto=config.pareto
+        space,
+        config.budget,
+        calib_ev,
+        head_dim,
+        num_layers,
+        prune_tokens=prune_tokens,
+        pareto=config.pareto,
+        chunk=config.chunk,
+        tokens=config.tokens,
     )
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
     objective.prime(done)

@@ -94,3 +94,17 @@ def test_short_text_rejects_large_tiles(tmp_path: Path) -> None:
         tune(_config(tmp_path, tokens=100), factory=FakeFactory(), dims=DIMS)
     res = tune(_config(tmp_path, tokens=300, trials=4), factory=FakeFactory(), dims=DIMS)
     assert res.config["group_sizes"] == [32, 64]
+
+
+def test_partial_prefix_reaches_a_quantized_tile() -> None:
+    from kvarn.autotune.objective import Objective
+    from kvarn.autotune.space import SearchSpace
+    from kvarn.schemes import Scheme
+
+    obj = Objective(SearchSpace(num_layers=30), parse_budget("1%"), FakeFactory()("t"), 64, 30, prune_tokens=256,
+                    chunk=128, tokens=512)  # fmt: skip
+    assert obj.partial_tokens(Scheme(4, 2, 64)) == 256
+    assert obj.partial_tokens(Scheme(4, 2, 128)) == 256
+    assert obj.partial_tokens(Scheme(4, 2, 128, sink_tile=True)) == 384  # the sink tile is never quantized
+    assert obj.partial_tokens(Scheme(4, 2, 256)) == 384
+    assert obj.partial_tokens(Scheme(4, 2, 256, sink_tile=True)) is None  # would need the whole text
