@@ -54,7 +54,7 @@ class DecodeEval:
         self._run(None, sink=False, reference=True)
 
     @torch.inference_mode()
-    def _run(self, roundtrip: RoundTrip | None, sink: bool, reference: bool = False) -> Result:
+    def _run(self, roundtrip: RoundTrip | None, sink: bool, reference: bool = False, sink_tokens: int = 0) -> Result:
         t0 = time.time()
         cache = DynamicCache()
         n = self.ids.shape[1]
@@ -78,9 +78,16 @@ class DecodeEval:
             while done + TILE <= s + x.shape[1]:
                 if not (sink and done == 0):
                     for layer in cache.layers:
-                        k = layer.keys[0, :, done : done + TILE]  # [kv_heads, TILE, head_dim]
-                        v = layer.values[0, :, done : done + TILE]
-                        kq, vq = roundtrip(k.float(), v.float())
+                        k = layer.keys[0, :, done : done + TILE].float()  # [kv_heads, TILE, head_dim]
+                        v = layer.values[0, :, done : done + TILE].float()
+                        n0 = sink_tokens if done == 0 else 0
+                        if n0:  # keep the first tokens exact and out of the tile's ranges
+                            k_in, v_in = k.clone(), v.clone()
+                            k_in[:, :n0], v_in[:, :n0] = k[:, n0 : n0 + 1], v[:, n0 : n0 + 1]
+                            kq, vq = roundtrip(k_in, v_in)
+                            kq[:, :n0], vq[:, :n0] = k[:, :n0], v[:, :n0]
+                        else:
+                            kq, vq = roundtrip(k, v)
                         layer.keys[0, :, done : done + TILE] = kq.to(layer.keys.dtype)
                         layer.values[0, :, done : done + TILE] = vq.to(layer.values.dtype)
                 done += TILE
@@ -90,9 +97,13 @@ class DecodeEval:
         ppl = math.exp(mean_nll)
         return Result(ppl, 100 * (ppl / math.exp(self.ref_nll) - 1), kl / count, agree / count, time.time() - t0)
 
-    def evaluate(self, roundtrip: RoundTrip, sink: bool = False) -> Result:
-        """Decode-mode metrics of ``roundtrip`` (``[H, 128, D]`` float32 keys, values -> same)."""
-        return self._run(roundtrip, sink)
+    def evaluate(self, roundtrip: RoundTrip, sink: bool = False, sink_tokens: int = 0) -> Result:
+        """Decode-mode metrics of ``roundtrip`` (``[H, 128, D]`` float32 keys, values -> same).
+
+        ``sink``: the whole first tile stays exact. ``sink_tokens``: only the first ``n`` tokens stay
+        exact (stored apart, replaced by token ``n`` when the first tile is quantized).
+        """
+        return self._run(roundtrip, sink, sink_tokens=sink_tokens)
 
 
 def scheme_roundtrip(name: str) -> RoundTrip:
