@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import HEAD_DIM, NUM_LAYERS, FakeFactory, sample_text
+from .conftest import HEAD_DIM, NUM_LAYERS, FakeFactory, sample_text
 
 import kvarn.autotune.cli as cli
 import kvarn.autotune.tuner as tuner

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import HEAD_DIM, NUM_LAYERS, FakeFactory, sample_text
+from .conftest import HEAD_DIM, NUM_LAYERS, FakeFactory, sample_text
 
 from kvarn.autotune.budget import parse_budget
 from kvarn.autotune.tuner import TuneConfig, tune
