@@ -23,7 +23,7 @@ run: setup
 	$(PY) -m kvarn.run --model $(MODEL)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 lint: setup
 	.venv/bin/ruff check kvarn tests tools
