@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pareto", action="store_true", help="measure the whole front; write a preset per front point")
     p.add_argument("--json", action="store_true", help="print the result as JSON (the table goes to stderr)")
     p.add_argument("--allow-kv-inversion", action="store_true", help="allow fewer key bits than value bits")
+    p.add_argument(
+        "--no-sink",
+        action="store_true",
+        help="never keep the first tile unquantized (its 16-bit cost is per sequence, outside bits/element; "
+        "the vLLM backend does not serve sink presets yet)",
+    )
     p.add_argument("--no-per-layer", action="store_true", help="one precision for every layer")
     p.add_argument("--max-protect", type=int, default=4, help="most sensitive layers that may get more bits")
     p.add_argument("--group-sizes", default="32,64,128,256", help="comma list of tile sizes to search")
@@ -103,6 +109,7 @@ def _config(args: argparse.Namespace) -> TuneConfig | str:
         study_name=args.study_name,
         pareto=args.pareto,
         allow_kv_inversion=args.allow_kv_inversion,
+        sink=not args.no_sink,
         per_layer=not args.no_per_layer,
         max_protect=args.max_protect,
         group_sizes=groups,

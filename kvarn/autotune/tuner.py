@@ -49,6 +49,7 @@ class TuneConfig:
     study_name: str | None = None
     pareto: bool = False
     allow_kv_inversion: bool = False
+    sink: bool = True  # search the sink tile; False keeps presets the vLLM backend serves today
     per_layer: bool = True
     max_protect: int = 4
     group_sizes: tuple[int, ...] = (32, 64, 128, 256)
@@ -261,6 +262,7 @@ def tune(
         ranking=ranking(sens) if sens else (),
         group_sizes=groups,
         allow_kv_inversion=config.allow_kv_inversion,
+        sink_tile=(False, True) if config.sink else (False,),
         per_layer=config.per_layer,
         max_protect=config.max_protect,
     )

@@ -124,3 +124,13 @@ def test_sensitivity_pass_is_cached(tmp_path) -> None:
     cache.write_text('{"probe": "kvarn_k2v2_g128", "sensitivity": [0.1, 0.5, 0.2, 0.2]}')
     assert layer_sensitivity(measure, 6, Scheme(2, 2, 128), cache, progress=False) == sens
     assert len(calls) == 8
+
+
+def test_no_sink_space_never_samples_a_sink_tile() -> None:
+    """``kvarn-tune --no-sink``: only presets without a sink tile (servable by the vLLM backend)."""
+    with_sink = _sample_many(SearchSpace(num_layers=30, ranking=RANK), optuna.samplers.RandomSampler(seed=2), 60)
+    without = _sample_many(
+        SearchSpace(num_layers=30, ranking=RANK, sink_tile=(False,)), optuna.samplers.RandomSampler(seed=2), 60
+    )
+    assert any(s.sink_tile for s in with_sink)
+    assert not any(s.sink_tile for s in without)
