@@ -34,5 +34,7 @@ def test_presets_table_and_user_preset(tmp_path, monkeypatch, capsys) -> None:  
 
 
 def test_console_script_bad_head_dim() -> None:
-    r = subprocess.run([sys.executable, "-m", "kvarn.cli", "presets", "--head-dim", "96"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvarn.cli", "presets", "--head-dim", "96"], capture_output=True, text=True
+    )
     assert r.returncode == 2 and "invalid choice: 96" in r.stderr

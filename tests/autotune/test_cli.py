@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from .conftest import HEAD_DIM, NUM_LAYERS, FakeFactory, sample_text
 
 import kvarn.autotune.cli as cli
 import kvarn.autotune.tuner as tuner
 from kvarn.schemes import get_preset
+
+from .conftest import HEAD_DIM, NUM_LAYERS, FakeFactory, sample_text
 
 
 @pytest.fixture

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import optuna
 import pytest
-from .conftest import HEAD_DIM, NUM_LAYERS, FakeFactory, sample_text
 
 from kvarn.autotune.budget import parse_budget
 from kvarn.autotune.tuner import TuneConfig, tune
+
+from .conftest import HEAD_DIM, NUM_LAYERS, FakeFactory, sample_text
 
 DIMS = (NUM_LAYERS, HEAD_DIM)
 
