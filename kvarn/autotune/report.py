@@ -130,11 +130,11 @@ def plot_front(res: TuneResult, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
     pts = [(r["bits"], r["metric"]) for r in res.trials if r["metric"] is not None]
     if pts:
-        ax.scatter(*zip(*pts, strict=True), s=14, c="0.7", label="trials (calibration)")
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=14, c="0.7", label="trials (calibration)")
     if res.front:
         ax.plot(
             [c.bits for c in res.front],
-            [c.calib_metric for c in res.front],
+            [float("nan") if c.calib_metric is None else c.calib_metric for c in res.front],
             "o-",
             c="tab:blue",
             ms=4,
