@@ -36,35 +36,24 @@ class ServeReport:
 
 def serve_and_report(model: str, preset: str, kv_gib: int, max_tokens: int = 48) -> ServeReport:
     """Start ``vllm.LLM`` with ``kv_cache_dtype=preset`` on ``model`` and measure capacity and a sample."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from kvarn.models import resolve_model
     from kvarn.schemes import get_preset
+    from kvarn.vllm.engine import cpu_engine, kv_tokens
 
     scheme = get_preset(preset).scheme
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
     path = str(resolve_model(model))
-    llm = LLM(
-        model=path,
-        kv_cache_dtype=preset,
-        block_size=scheme.group_size,
-        max_model_len=1024,
-        max_num_seqs=4,
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        seed=0,
-    )
-    try:
+    with cpu_engine(path, preset, block_size=scheme.group_size, max_model_len=1024, max_num_seqs=4) as llm:
         cfg = llm.llm_engine.vllm_config
-        tokens = int(cfg.cache_config.num_gpu_blocks) * scheme.group_size
+        tokens = kv_tokens(llm)
         mc = cfg.model_config
         per_token = 2 * mc.get_num_kv_heads(cfg.parallel_config) * mc.get_head_size() * mc.dtype.itemsize
         per_block = per_token * mc.get_num_layers(cfg.parallel_config) * scheme.group_size
         kv_bytes = kv_gib * 2**30
         out = llm.generate([PROMPT], SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
         sample = PROMPT + out[0].outputs[0].text
-    finally:
-        llm.llm_engine.engine_core.shutdown()
     return ServeReport(preset, kv_bytes, tokens, kv_bytes // per_block * scheme.group_size, sample)
 
 

@@ -16,44 +16,14 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-
-@contextmanager
-def engine(model: str, kv_cache_dtype: str, max_model_len: int, **kw: Any) -> Iterator[Any]:
-    """A ``vllm.LLM`` on CPU with 128-token blocks, shut down on exit."""
-    from vllm import LLM
-
-    llm = LLM(
-        model=model,
-        kv_cache_dtype=kv_cache_dtype,
-        block_size=128,
-        max_model_len=max_model_len,
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        seed=0,
-        **kw,
-    )
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-
-
-def kv_tokens(llm: Any) -> int:
-    """KV tokens vLLM allocated: number of blocks x block size."""
-    cfg = llm.llm_engine.vllm_config.cache_config
-    return int(cfg.num_gpu_blocks) * int(cfg.block_size)
+from kvarn.vllm.engine import cpu_engine, kv_tokens
 
 
 def capacity(dtypes: list[str], kv_gib: int) -> list[dict[str, Any]]:
@@ -72,7 +42,7 @@ def capacity(dtypes: list[str], kv_gib: int) -> list[dict[str, Any]]:
         }
         jobs = [(m, d) for m in models for d in dtypes]
         for label, dtype in tqdm(jobs, desc="engines"):
-            with engine(models[label], dtype, 1024, max_num_seqs=4) as llm:
+            with cpu_engine(models[label], dtype, max_model_len=1024, max_num_seqs=4) as llm:
                 rows.append({"model": label, "kv_cache_dtype": dtype, "kv_tokens": kv_tokens(llm)})
     base = {r["model"]: r["kv_tokens"] for r in rows if r["kv_cache_dtype"] == "auto"}
     for r in rows:
@@ -95,7 +65,9 @@ def throughput(dtypes: list[str], context: int, new_tokens: int) -> list[dict[st
     prompt = [TokensPrompt(prompt_token_ids=ids)]
     rows = []
     for dtype in dtypes:
-        with engine(model, dtype, context + new_tokens + 128, max_num_seqs=4, max_num_batched_tokens=512) as llm:
+        with cpu_engine(
+            model, dtype, max_model_len=context + new_tokens + 128, max_num_seqs=4, max_num_batched_tokens=512
+        ) as llm:
             llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # warm-up
             t0 = time.perf_counter()
             llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)

@@ -1,18 +1,5 @@
-"""One torch thread for these tests: the CI machines have 2 cores, often shared, and with two
-threads the small ops of the codec spend most of their time waiting for each other (measured: a
-3-tile quantize_tiles took 29 ms with one thread and 455 ms with two on a busy machine)."""
+"""One torch thread per test module here too: the fixture lives in tests/hf/conftest.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-import torch
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from ..hf.conftest import _one_thread  # noqa: F401  (autouse fixture, registered by import)

@@ -8,7 +8,6 @@ the same batches.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 import re
@@ -59,29 +58,18 @@ def _prompt_ids() -> list[int]:
 
 @contextmanager
 def _engine(kv_cache_dtype: str, model: str | None = None) -> Iterator[Any]:
-    from vllm import LLM
-
     from kvarn.models import resolve_model
+    from kvarn.vllm.engine import cpu_engine
 
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    llm = LLM(
-        model=model or str(resolve_model("smollm2-135m")),
-        kv_cache_dtype=kv_cache_dtype,
-        block_size=128,
-        max_model_len=1024,
+    with cpu_engine(
+        model or str(resolve_model("smollm2-135m")),
+        kv_cache_dtype,
         max_num_seqs=4,
         max_num_batched_tokens=CHUNK,
         enable_chunked_prefill=True,
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        seed=0,
-    )
-    try:
+    ) as llm:
         yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
 
 
 def _run(kv_cache_dtype: str, reference: list[int] | None = None) -> RunResult:

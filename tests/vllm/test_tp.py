@@ -7,7 +7,6 @@ uses a tiny random Llama with 4 query and 2 KV heads (head_dim 64).
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 
@@ -19,30 +18,17 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def _generate(model: Path, tp: int) -> tuple[int, list[int]]:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(
-        model=str(model),
-        kv_cache_dtype="kvarn_k4v2_g128",
-        block_size=128,
-        max_model_len=1024,
-        max_num_seqs=4,
-        max_num_batched_tokens=256,
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        tensor_parallel_size=tp,
-        seed=0,
-    )
-    try:
-        cfg = llm.llm_engine.vllm_config.cache_config
+    from kvarn.vllm.engine import cpu_engine, kv_tokens
+
+    with cpu_engine(
+        str(model), "kvarn_k4v2_g128", max_num_seqs=4, max_num_batched_tokens=256, tensor_parallel_size=tp
+    ) as llm:
         prompt = TokensPrompt(prompt_token_ids=list(range(1000, 1400)))  # 400 tokens: 3 full tiles + a tail
         out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0]
-        return int(cfg.num_gpu_blocks) * int(cfg.block_size), list(out.outputs[0].token_ids)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        return kv_tokens(llm), list(out.outputs[0].token_ids)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 on CPU needs 2 cores")
