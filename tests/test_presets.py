@@ -106,3 +106,17 @@ def test_bad_preset_files_name_file_field_value(tmp_path: Path, edit: tuple[str,
 def test_missing_file() -> None:
     with pytest.raises(PresetError, match="no such preset file"):
         load_preset("/nonexistent/dir/p.yaml")
+
+
+def test_sink_tokens_field_is_optional_and_round_trips(tmp_path: Path) -> None:
+    s = Scheme(4, 2, 128, scale_dtype="log8", sink_tokens=2)
+    out = save_preset(Preset("tuned_sink", s), tmp_path / "t.yaml")
+    assert "sink_tokens: 2" in out.read_text()
+    assert load_preset(out).scheme == s
+    # files written before the field existed still load (sink_tokens 0)
+    src = tmp_path / "old.yaml"
+    src.write_text(GOOD)
+    assert load_preset(src).scheme.sink_tokens == 0
+    src.write_text(GOOD.replace("sink_tile: true", "sink_tile: false\nsink_tokens: 3"))
+    with pytest.raises(PresetError, match="sink_tokens=3 is not allowed"):
+        load_preset(src)

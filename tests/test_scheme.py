@@ -109,3 +109,35 @@ def test_tile_bytes_formula() -> None:
             assert s.tile_bytes(d) == codes + s.param_bytes * 3 * (t + d)
     with pytest.raises(SchemeError, match="head_dim=96"):
         Scheme().tile_bytes(96)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_sink_tokens_name_round_trip_and_layout(n: int) -> None:
+    s = Scheme.from_name(f"kvarn_k4v2_g128_s8_sink{n}_L3fp16")
+    assert (s.sink_tokens, s.sink_tile, s.sink_len) == (n, False, n)
+    assert Scheme.from_name(s.name) == s
+    # the tiles are unchanged: same record, same bits without a context
+    assert s.tile_bytes(64) == Scheme(4, 2, 128, scale_dtype="log8").tile_bytes(64)
+    assert s.sink_bytes(64) == 2 * n * 64 * 2
+
+
+def test_sink_tile_and_tokens_exclude_each_other() -> None:
+    with pytest.raises(SchemeError, match="exclude each other"):
+        Scheme(sink_tile=True, sink_tokens=1)
+    with pytest.raises(SchemeError, match="sink_tokens=3 is not allowed; allowed: 0, 1, 2, 4, 8"):
+        Scheme(sink_tokens=3)
+    assert Scheme.from_name("kvarn_k4v2_g128_sink").sink_len == 128
+
+
+def test_bits_per_element_spreads_the_sink_over_the_context() -> None:
+    base = Scheme(4, 2, 128).bits_per_element(64)  # 3.5625
+    assert Scheme(4, 2, 128, sink_tokens=1).bits_per_element(64, context=2048) == pytest.approx(base + 16 / 2048)
+    tile = Scheme(4, 2, 128, sink_tile=True)
+    assert tile.bits_per_element(64) == base  # the packed tiles alone
+    assert tile.bits_per_element(64, context=2048) == pytest.approx((128 * 16 + 1920 * base) / 2048)
+    assert tile.bits_per_element(64, context=100) == 16.0  # all of it sits in the sink tile
+    mixed = Scheme(4, 2, 128, overrides=(LayerOverride(0, 0),), sink_tokens=4)
+    expect = (16 + 29 * (base + 4 * 16 / 1024)) / 30
+    assert mixed.bits_per_element(64, num_layers=30, context=1024) == pytest.approx(expect)
+    with pytest.raises(SchemeError, match="context=0"):
+        Scheme().bits_per_element(64, context=0)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,16 +70,7 @@ def tier_overrides(layers: Sequence[int], pair: str | None) -> tuple[LayerOverri
 def only_layer(scheme: Scheme, layer: int, num_layers: int) -> Scheme:
     """``scheme`` on layer ``layer`` only; every other layer unquantized (for sensitivity probes)."""
     others = [i for i in range(num_layers) if i != layer]
-    return Scheme(
-        scheme.key_bits,
-        scheme.value_bits,
-        scheme.group_size,
-        scheme.rotation,
-        scheme.norm_iters,
-        scheme.scale_dtype,
-        scheme.sink_tile,
-        tier_overrides(others, None),
-    )
+    return replace(scheme, overrides=tier_overrides(others, None))
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,19 @@ from kvarn.schemes.registry import (
     search_path,
     user_preset_dir,
 )
-from kvarn.schemes.scheme import ALLOWED_BITS, ALLOWED_GROUP_SIZES, LayerOverride, Scheme, SchemeError
+from kvarn.schemes.scheme import (
+    ALLOWED_BITS,
+    ALLOWED_GROUP_SIZES,
+    ALLOWED_SINK_TOKENS,
+    LayerOverride,
+    Scheme,
+    SchemeError,
+)
 
 __all__ = [
     "ALLOWED_BITS",
     "ALLOWED_GROUP_SIZES",
+    "ALLOWED_SINK_TOKENS",
     "BUILTINS",
     "LayerOverride",
     "Preset",

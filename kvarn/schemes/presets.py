@@ -11,6 +11,7 @@ A preset file::
     norm_iters: 8              # 0..32 (0 = no normalization)
     scale_dtype: fp16          # fp16 or log8
     sink_tile: false           # keep the first tile of every sequence unquantized
+    sink_tokens: 0             # optional: 0, 1, 2, 4 or 8 first tokens also kept exactly
     layers:                    # optional per-layer overrides
       - {layers: "0-1", key_bits: 8, value_bits: 4}
       - {layers: 29, unquantized: true}
@@ -39,8 +40,9 @@ from kvarn.schemes.scheme import LayerOverride, Scheme, SchemeError
 
 SCHEMA_VERSION = 1
 _SCHEME_FIELDS = ("key_bits", "value_bits", "group_size", "rotation", "norm_iters", "scale_dtype", "sink_tile")
+_OPTIONAL_SCHEME_FIELDS = ("sink_tokens",)  # optional: older presets omit them (default 0)
 _OPTIONAL = ("layers", "description", "provenance", "kernel_config")
-_ALLOWED_KEYS = ("version", "name", *_SCHEME_FIELDS, *_OPTIONAL)
+_ALLOWED_KEYS = ("version", "name", *_SCHEME_FIELDS, *_OPTIONAL_SCHEME_FIELDS, *_OPTIONAL)
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 _RANGE_RE = re.compile(r"(\d+)(?:-(\d+))?")
 
@@ -110,6 +112,7 @@ def preset_from_dict(data: dict[str, Any], path: str = "<dict>") -> Preset:
     try:
         scheme = Scheme(
             **{k: data[k] for k in _SCHEME_FIELDS},
+            **{k: data[k] for k in _OPTIONAL_SCHEME_FIELDS if k in data},
             overrides=_parse_overrides(path, data.get("layers", [])),
         )
     except SchemeError as e:
@@ -158,6 +161,7 @@ def preset_to_dict(preset: Preset) -> dict[str, Any]:
     s = preset.scheme
     data: dict[str, Any] = {"version": SCHEMA_VERSION, "name": preset.name}
     data.update({k: getattr(s, k) for k in _SCHEME_FIELDS})
+    data.update({k: getattr(s, k) for k in _OPTIONAL_SCHEME_FIELDS if getattr(s, k)})
     if s.overrides:
         data["layers"] = [
             {"layers": f"{o.first}-{o.last}", "unquantized": True}

@@ -6,12 +6,24 @@ element, compression vs 16-bit) is computed here and nowhere else.
 
 Canonical names::
 
-    kvarn_k{K}v{V}_g{G}[_rot-none|_rot-rh][_it{N}][_s8][_sink][_L{a}[-{b}]k{K}v{V}|_L{a}[-{b}]fp16 ...]
+    kvarn_k{K}v{V}_g{G}[_rot-none|_rot-rh][_it{N}][_s8][_sink|_sink{S}][_L{a}[-{b}]k{K}v{V}|_L{a}[-{b}]fp16 ...]
 
 ``kvarn_k4v2_g128`` is 4-bit keys, 2-bit values, 128-token tiles with every other option at its
 default (Hadamard rotation, 8 normalization iterations, fp16 scales, no sink tile, no per-layer
 overrides). Each non-default option adds exactly one suffix, in the order above, so
 ``Scheme.from_name(s.name) == s`` for every scheme.
+
+Two ways to protect the attention sink (the first tokens of a sequence, which most heads attend to
+heavily, so their rounding error is not averaged away):
+
+* ``_sink`` (``sink_tile``): the whole first tile stays unquantized; packed tiles start after it.
+* ``_sink{S}`` (``sink_tokens=S``, S in 1, 2, 4, 8): every tile is packed as usual (tile 0
+  included, so page alignment and record layout do not change), and the first ``S`` tokens are
+  *also* kept exactly (model dtype); readers use the exact copies instead of their quantized ones.
+  Cost: ``S`` tokens x keys and values x ``head_dim`` x 16 bits per layer, KV head and sequence.
+
+Both are per-sequence costs outside :meth:`Scheme.bits_per_element` unless it is given the
+``context`` length to spread them over.
 
 Example:
     >>> s = Scheme.from_name("kvarn_k4v2_g128")
@@ -32,6 +44,7 @@ ALLOWED_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 ALLOWED_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
 ALLOWED_ROTATIONS: tuple[str, ...] = ("hadamard", "none", "rhadamard")
 ALLOWED_SCALE_DTYPES: tuple[str, ...] = ("fp16", "log8")
+ALLOWED_SINK_TOKENS: tuple[int, ...] = (0, 1, 2, 4, 8)
 MAX_NORM_ITERS = 32
 DEFAULT_NORM_ITERS = 8
 
@@ -92,6 +105,7 @@ class Scheme:
     scale_dtype: ScaleDtype = "fp16"
     sink_tile: bool = False
     overrides: tuple[LayerOverride, ...] = field(default=())
+    sink_tokens: int = 0  # last, so positional construction of older code keeps working
 
     def __post_init__(self) -> None:
         _check_choice("key_bits", self.key_bits, ALLOWED_BITS)
@@ -105,6 +119,12 @@ class Scheme:
             raise SchemeError(f"norm_iters={self.norm_iters} is not allowed; allowed: 0..{MAX_NORM_ITERS}")
         if not isinstance(self.sink_tile, bool):
             raise SchemeError(f"sink_tile={self.sink_tile!r} must be true or false")
+        _check_choice("sink_tokens", self.sink_tokens, ALLOWED_SINK_TOKENS)
+        if self.sink_tile and self.sink_tokens:
+            raise SchemeError(
+                f"sink_tile and sink_tokens={self.sink_tokens} exclude each other: the sink tile already keeps "
+                "the first tile unquantized; choose one"
+            )
         ordered = tuple(sorted(self.overrides, key=lambda o: o.first))
         for a, b in zip(ordered, ordered[1:], strict=False):
             if b.first <= a.last:
@@ -122,6 +142,8 @@ class Scheme:
         parts.append(_SCALE_SUFFIX.get(self.scale_dtype, ""))
         if self.sink_tile:
             parts.append("_sink")
+        elif self.sink_tokens:
+            parts.append(f"_sink{self.sink_tokens}")
         parts.extend(o.suffix for o in self.overrides)
         return "".join(parts)
 
@@ -132,7 +154,7 @@ class Scheme:
         if m is None:
             raise SchemeError(
                 f"{name!r} is not a canonical kvarn scheme name; expected "
-                "kvarn_k<K>v<V>_g<G>[_rot-none|_rot-rh][_it<N>][_s8][_sink][_L<a>[-<b>]k<K>v<V>|_L<a>[-<b>]fp16...]"
+                "kvarn_k<K>v<V>_g<G>[_rot-none|_rot-rh][_it<N>][_s8][_sink|_sink<S>][_L<a>[-<b>]k<K>v<V>|_L<a>[-<b>]fp16...]"
             )
         rotation = {"_rot-none": "none", "_rot-rh": "rhadamard", None: "hadamard"}[m["rot"]]
         overrides = []
@@ -149,7 +171,8 @@ class Scheme:
             rotation=rotation,  # type: ignore[arg-type]
             norm_iters=int(m["it"]) if m["it"] else DEFAULT_NORM_ITERS,
             scale_dtype="log8" if m["s8"] else "fp16",
-            sink_tile=bool(m["sink"]),
+            sink_tile=bool(m["sink"]) and not m["sinkn"],
+            sink_tokens=int(m["sinkn"]) if m["sinkn"] else 0,
             overrides=tuple(overrides),
         )
         if scheme.name != name:  # e.g. "_it8" spelled out, or overrides out of order
@@ -197,29 +220,52 @@ class Scheme:
             + self.value_param_bytes(head_dim)
         )
 
-    def bits_per_element(self, head_dim: int, num_layers: int | None = None) -> float:
+    @property
+    def sink_len(self) -> int:
+        """Tokens at the start of a sequence kept unquantized (sink tile or sink tokens), else 0."""
+        return self.group_size if self.sink_tile else self.sink_tokens
+
+    def sink_bytes(self, head_dim: int) -> int:
+        """Bytes of the exact sink-token copies, keys and values, per layer, KV head and sequence
+        (16-bit). The sink tile is not counted here: it replaces a packed tile (see
+        :meth:`bits_per_element` with ``context``)."""
+        return 2 * self.sink_tokens * head_dim * 2
+
+    def bits_per_element(self, head_dim: int, num_layers: int | None = None, context: int | None = None) -> float:
         """Stored bits per cached number (keys and values), every scale and zero point included.
 
         With per-layer overrides the figure depends on the layer count: pass ``num_layers``
         (unquantized layers count 16 bits). Without it, the overrides are ignored.
+
+        ``context``: spread the per-sequence sink cost over a sequence of this many tokens (the
+        sink tile's 16-bit tokens instead of packed ones, or the exact sink-token copies). Without
+        it the sink is not counted: the figure is the packed tiles' alone.
         """
+        if context is not None and context < 1:
+            raise SchemeError(f"context={context} must be >= 1 token")
         per_layer = 8.0 * self.tile_bytes(head_dim) / (2 * self.group_size * head_dim)
+        if context is not None:
+            if self.sink_tile:
+                sink = min(self.group_size, context)
+                per_layer = (16.0 * sink + per_layer * (context - sink)) / context
+            else:
+                per_layer += 16.0 * min(self.sink_tokens, context) / context
         if num_layers is None or not self.overrides:
             return per_layer
         total = 0.0
         for layer in range(num_layers):
             s = self.for_layer(layer)
-            total += 16.0 if s is None else s.bits_per_element(head_dim)
+            total += 16.0 if s is None else s.bits_per_element(head_dim, context=context)
         return total / num_layers
 
-    def compression(self, head_dim: int, num_layers: int | None = None) -> float:
+    def compression(self, head_dim: int, num_layers: int | None = None, context: int | None = None) -> float:
         """How many times smaller than a 16-bit cache."""
-        return 16.0 / self.bits_per_element(head_dim, num_layers)
+        return 16.0 / self.bits_per_element(head_dim, num_layers, context)
 
 
 _NAME_RE = re.compile(
     r"kvarn_k(?P<k>\d+)v(?P<v>\d+)_g(?P<g>\d+)"
-    r"(?P<rot>_rot-none|_rot-rh)?(?:_it(?P<it>\d+))?(?P<s8>_s8)?(?P<sink>_sink)?"
+    r"(?P<rot>_rot-none|_rot-rh)?(?:_it(?P<it>\d+))?(?P<s8>_s8)?(?P<sink>_sink(?P<sinkn>\d+)?)?"
     r"(?P<ovr>(?:_L\d+(?:-\d+)?(?:k\d+v\d+|fp16))*)"
 )
 _OVR_RE = re.compile(r"_L(?P<a>\d+)(?:-(?P<b>\d+))?(?:k(?P<k>\d+)v(?P<v>\d+)|fp16)")
