@@ -45,10 +45,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON (the table goes to stderr)")
     p.add_argument("--allow-kv-inversion", action="store_true", help="allow fewer key bits than value bits")
     p.add_argument(
-        "--no-sink",
+        "--sinks",
+        default="0,1,2,4,tile",
+        help="sink choices to search, comma list: 0 (none), 1, 2, 4, 8 (first tokens also kept exactly), "
+        "tile (first tile unquantized; not served by the vLLM backend). Default 0,1,2,4,tile",
+    )
+    p.add_argument("--no-sink", action="store_true", help="search no sink at all (same as --sinks 0)")
+    p.add_argument(
+        "--context",
+        type=int,
+        help="tokens per sequence the per-sequence sink cost is spread over when counting bits/element "
+        "(default: --tokens, which is conservative for long-context serving)",
+    )
+    p.add_argument(
+        "--allow-fp16-layers",
         action="store_true",
-        help="never keep the first tile unquantized (its 16-bit cost is per sequence, outside bits/element; "
-        "the vLLM backend does not serve sink presets yet)",
+        help="let the most sensitive layers stay unquantized (the vLLM backend cannot serve such presets; "
+        "by default the top rung is k8v8)",
     )
     p.add_argument("--no-per-layer", action="store_true", help="one precision for every layer")
     p.add_argument("--max-protect", type=int, default=4, help="most sensitive layers that may get more bits")
@@ -90,6 +103,12 @@ def _config(args: argparse.Namespace) -> TuneConfig | str:
     bad = [g for g in groups if g not in ALLOWED_GROUP_SIZES]
     if bad or not groups:
         return f"--group-sizes {args.group_sizes!r}: allowed {', '.join(map(str, ALLOWED_GROUP_SIZES))}"
+    sinks = ("0",) if args.no_sink else tuple(x.strip() for x in args.sinks.split(",") if x.strip())
+    allowed_sinks = ("0", "1", "2", "4", "8", "tile")
+    if not sinks or any(x not in allowed_sinks for x in sinks):
+        return f"--sinks {args.sinks!r}: a comma list of {', '.join(allowed_sinks)}"
+    if args.context is not None and args.context < 1:
+        return f"--context {args.context} must be >= 1 token"
     text = None
     if args.text is not None:
         try:
@@ -109,7 +128,9 @@ def _config(args: argparse.Namespace) -> TuneConfig | str:
         study_name=args.study_name,
         pareto=args.pareto,
         allow_kv_inversion=args.allow_kv_inversion,
-        sink=not args.no_sink,
+        sinks=sinks,
+        allow_fp16_layers=args.allow_fp16_layers,
+        context=args.context,
         per_layer=not args.no_per_layer,
         max_protect=args.max_protect,
         group_sizes=groups,

@@ -13,7 +13,9 @@ where it can matter:
 4. the full evaluation sets the constraint with ``trial.set_constraint`` (Optuna 5): the metric's
    distance to the budget, ``<= 0`` feasible. Constraint-aware samplers (TPE) read it from there.
 
-The value returned is the scheme's bits per element (per-layer overrides included).
+The value returned is the scheme's bits per element: per-layer overrides included, and a sink
+(tile or exact tokens) spread over ``context`` tokens, a per-sequence cost that a figure of the
+tiles alone would hide.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class Objective:
     on_measured: Callable[[str, dict[str, Any]], None] | None = None
     chunk: int = 128
     tokens: int | None = None  # the evaluator's length; a partial evaluation must stay below it
+    context: int | None = None  # sequence length the sink cost is spread over (None: not counted)
 
     def __post_init__(self) -> None:
         self.cache: dict[str, dict[str, Any]] = {}
@@ -147,7 +150,7 @@ class Objective:
 
     def __call__(self, trial: optuna.Trial) -> float:
         scheme = self.space.sample(trial)
-        bits = scheme.bits_per_element(self.head_dim, self.num_layers)
+        bits = scheme.bits_per_element(self.head_dim, self.num_layers, self.context)
         trial.set_user_attr("scheme", scheme.name)
         trial.set_user_attr("bits", bits)
         if not self.pareto:

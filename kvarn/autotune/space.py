@@ -5,9 +5,13 @@ Parameters of one trial:
 
 * ``kv`` -- base key/value bits, e.g. ``"k4v2"``; keys never get fewer bits than values unless
   ``allow_kv_inversion`` (keys feed every attention score, values only a weighted sum);
-* ``group_size``, ``rotation``, ``norm_iters``, ``scale_dtype``, ``sink_tile``;
+* ``group_size``, ``rotation``, ``norm_iters``, ``scale_dtype``;
+* ``sink`` -- ``"0"`` (none), ``"1"``/``"2"``/``"4"``/``"8"`` (that many first tokens also kept
+  exactly: ``Scheme.sink_tokens``) or ``"tile"`` (the first tile unquantized: ``Scheme.sink_tile``);
 * ``n_protect`` / ``protect_up`` -- the ``n_protect`` most sensitive layers get the bit pair
-  ``protect_up`` rungs above the base on the ladder ``k2v2 < k3v2 < ... < k8v8 < fp16``;
+  ``protect_up`` rungs above the base on the ladder ``k2v2 < k3v2 < ... < k8v8`` (``< fp16``
+  with ``allow_fp16_layers``: the vLLM backend cannot serve unquantized layers, so it is off by
+  default; ``k8v8`` is near-lossless at half the bytes);
 * ``n_demote`` / ``demote_down`` -- the ``n_demote`` least sensitive layers get the pair
   ``demote_down`` rungs below the base (clipped at the bottom rung).
 
@@ -26,12 +30,13 @@ from typing import Any
 
 import optuna
 
-from kvarn.schemes import ALLOWED_BITS, LayerOverride, Scheme
+from kvarn.schemes import ALLOWED_BITS, ALLOWED_SINK_TOKENS, LayerOverride, Scheme
 
 ALLOWED_ROTATIONS: tuple[str, ...] = ("hadamard", "rhadamard", "none")
 NORM_ITERS: tuple[int, ...] = (0, 2, 4, 8, 16)
 SCALE_DTYPES: tuple[str, ...] = ("fp16", "log8")
 FP16 = "fp16"
+SINKS: tuple[str, ...] = ("0", "1", "2", "4", "tile")
 # Tier rungs: k4v2 before k3v3 (same bits; keys matter more), k8v4 before k8v2 (values need some bits).
 LADDER: tuple[str, ...] = ("k2v2", "k3v2", "k4v2", "k4v3", "k4v4", "k8v4", "k8v8")
 
@@ -80,7 +85,7 @@ class SearchSpace:
     Example:
         >>> space = SearchSpace(num_layers=4, ranking=(3, 0, 1, 2))
         >>> space.build({"kv": "k4v2", "group_size": 128, "rotation": "hadamard", "norm_iters": 8,
-        ...              "scale_dtype": "fp16", "sink_tile": False, "n_protect": 1, "protect_up": 2,
+        ...              "scale_dtype": "fp16", "sink": "0", "n_protect": 1, "protect_up": 2,
         ...              "n_demote": 2, "demote_down": 2}).name
         'kvarn_k4v2_g128_L1-2k3v2_L3k4v4'
     """
@@ -92,8 +97,9 @@ class SearchSpace:
     rotations: tuple[str, ...] = ALLOWED_ROTATIONS
     norm_iters: tuple[int, ...] = NORM_ITERS
     scale_dtypes: tuple[str, ...] = SCALE_DTYPES
-    sink_tile: tuple[bool, ...] = (False, True)
+    sinks: tuple[str, ...] = SINKS
     allow_kv_inversion: bool = False
+    allow_fp16_layers: bool = False
     per_layer: bool = True
     max_protect: int = 4
     demote_step: int = 0  # 0: about a tenth of the layers
@@ -107,6 +113,10 @@ class SearchSpace:
         object.__setattr__(self, "ranking", tuple(ranking))
         if not self.group_sizes:
             raise ValueError("no group size left to search; allow at least one")
+        allowed = ("0", "tile", *(str(n) for n in ALLOWED_SINK_TOKENS if n))
+        bad = [x for x in self.sinks if x not in allowed]
+        if bad or not self.sinks:
+            raise ValueError(f"sink choices {list(self.sinks)} are not valid; allowed: {', '.join(allowed)}")
 
     @property
     def pairs(self) -> tuple[str, ...]:
@@ -120,7 +130,8 @@ class SearchSpace:
     def ladder(self) -> tuple[str, ...]:
         """The rungs tiers step along: one pair per total bit count, keys first, then ``fp16``."""
         allowed = set(kv_pairs(self.bits))
-        return (*(r for r in LADDER if r in allowed), FP16)
+        top = (FP16,) if self.allow_fp16_layers else ()
+        return (*(r for r in LADDER if r in allowed), *top)
 
     def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
         """Sample one trial's parameters (define-by-run; tier steps only when a tier is used).
@@ -135,7 +146,7 @@ class SearchSpace:
             "rotation": trial.suggest_categorical("rotation", self.rotations),
             "norm_iters": trial.suggest_categorical("norm_iters", self.norm_iters),
             "scale_dtype": trial.suggest_categorical("scale_dtype", self.scale_dtypes),
-            "sink_tile": trial.suggest_categorical("sink_tile", self.sink_tile),
+            "sink": trial.suggest_categorical("sink", self.sinks),
             "n_protect": 0,
             "n_demote": 0,
         }
@@ -151,12 +162,12 @@ class SearchSpace:
 
     def _rung(self, base: str, delta: int) -> str:
         """The rung ``delta`` steps above (or below) ``base`` by total bits, clipped to the ladder;
-        ``base`` itself when nothing is below it. Bases off the ladder (``k3v3``) work the same."""
+        ``base`` itself when nothing is above (below) it. Bases off the ladder (``k3v3``) work the same."""
         total = sum(parse_pair(base))
         if delta > 0:
             ups = [r for r in self.ladder if r == FP16 or sum(parse_pair(r)) > total]
-            return ups[min(delta, len(ups)) - 1]
-        downs = [r for r in self.ladder[:-1] if sum(parse_pair(r)) < total][::-1]
+            return ups[min(delta, len(ups)) - 1] if ups else base
+        downs = [r for r in self.ladder if r != FP16 and sum(parse_pair(r)) < total][::-1]
         return downs[min(-delta, len(downs)) - 1] if downs else base
 
     def build(self, p: dict[str, Any]) -> Scheme:
@@ -167,8 +178,9 @@ class SearchSpace:
         protected = list(self.ranking[:n_protect])
         demoted = list(self.ranking[self.num_layers - n_demote :]) if n_demote else []
         overrides: list[LayerOverride] = []
-        if protected:
-            overrides += tier_overrides(protected, self._rung(p["kv"], int(p.get("protect_up", 1))))
+        protect = self._rung(p["kv"], int(p.get("protect_up", 1))) if protected else p["kv"]
+        if protect != p["kv"]:
+            overrides += tier_overrides(protected, protect)
         demote = self._rung(p["kv"], -int(p.get("demote_down", 1))) if demoted else p["kv"]
         if demote != p["kv"]:
             overrides += tier_overrides(demoted, demote)
@@ -179,8 +191,9 @@ class SearchSpace:
             rotation=p["rotation"],
             norm_iters=int(p["norm_iters"]),
             scale_dtype=p["scale_dtype"],
-            sink_tile=bool(p["sink_tile"]),
+            sink_tile=p["sink"] == "tile",
             overrides=tuple(overrides),
+            sink_tokens=0 if p["sink"] == "tile" else int(p["sink"]),
         )
 
     def sample(self, trial: optuna.Trial) -> Scheme:
@@ -189,9 +202,9 @@ class SearchSpace:
 
     def seeds(self) -> list[dict[str, Any]]:
         """Starting points enqueued before the sampler takes over: the shipped layout and two
-        cheaper neighbours (log8 scales; 3-bit keys), where the space allows them."""
+        cheaper neighbours (log8 scales and a one-token sink; 3-bit keys), where the space allows them."""
         out = []
-        for kv, scale in (("k4v2", "fp16"), ("k4v2", "log8"), ("k3v2", "log8")):
+        for kv, scale, sink in (("k4v2", "fp16", "0"), ("k4v2", "log8", "1"), ("k3v2", "log8", "1")):
             g = 128 if 128 in self.group_sizes else max(self.group_sizes)
             if kv in self.pairs and scale in self.scale_dtypes:
                 p: dict[str, Any] = {
@@ -200,7 +213,7 @@ class SearchSpace:
                     "rotation": self.rotations[0],
                     "norm_iters": 8 if 8 in self.norm_iters else self.norm_iters[-1],
                     "scale_dtype": scale,
-                    "sink_tile": self.sink_tile[0],
+                    "sink": sink if sink in self.sinks else self.sinks[0],
                 }
                 if self.per_layer:
                     p.update(n_protect=0, n_demote=0)

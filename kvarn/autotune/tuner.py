@@ -26,7 +26,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from kvarn.autotune.budget import Budget
 from kvarn.autotune.objective import CONSTRAINT, EvaluatorLike, Objective, best_feasible, measurement_dict, metric_of
-from kvarn.autotune.space import SearchSpace, layer_sensitivity, parse_pair, ranking, sensitivity_key
+from kvarn.autotune.space import SINKS, SearchSpace, layer_sensitivity, parse_pair, ranking, sensitivity_key
 from kvarn.schemes import Scheme
 
 EvaluatorFactory = Callable[[str], EvaluatorLike]
@@ -49,7 +49,9 @@ class TuneConfig:
     study_name: str | None = None
     pareto: bool = False
     allow_kv_inversion: bool = False
-    sink: bool = True  # search the sink tile; False keeps presets the vLLM backend serves today
+    sinks: tuple[str, ...] = SINKS  # sink choices (see space.py); ("0",): none
+    allow_fp16_layers: bool = False  # let tiers keep layers unquantized (the vLLM backend cannot serve them)
+    context: int | None = None  # tokens a sequence's sink cost is spread over; None: ``tokens``
     per_layer: bool = True
     max_protect: int = 4
     group_sizes: tuple[int, ...] = (32, 64, 128, 256)
@@ -63,6 +65,11 @@ class TuneConfig:
     compare: tuple[str, ...] = ()  # presets / baselines measured on held-out text for the plot
     chunk: int = 128
     progress: bool = True
+
+    @property
+    def bits_context(self) -> int:
+        """Tokens a sequence's sink cost is spread over when counting bits per element."""
+        return self.context or self.tokens
 
     def resolved_prune_tokens(self) -> int | None:
         """Tokens of the partial evaluation; None when too short to read anything quantized
@@ -262,7 +269,8 @@ def tune(
         ranking=ranking(sens) if sens else (),
         group_sizes=groups,
         allow_kv_inversion=config.allow_kv_inversion,
-        sink_tile=(False, True) if config.sink else (False,),
+        sinks=config.sinks,
+        allow_fp16_layers=config.allow_fp16_layers,
         per_layer=config.per_layer,
         max_protect=config.max_protect,
     )
@@ -293,6 +301,7 @@ def tune(
         pareto=config.pareto,
         chunk=config.chunk,
         tokens=config.tokens,
+        context=config.bits_context,
     )
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
     objective.prime(done)
@@ -396,6 +405,9 @@ def _finish(
         "seed": config.seed,
         "pareto": config.pareto,
         "group_sizes": list(space.group_sizes),
+        "sinks": list(space.sinks),
+        "allow_fp16_layers": space.allow_fp16_layers,
+        "bits_context": config.bits_context,
         "prune_tokens": config.resolved_prune_tokens(),
     }
     res = TuneResult(

@@ -12,7 +12,8 @@ Example:
 Per layer (see :mod:`kvarn.hf.layers`), for a kvarn scheme: full tiles of ``group_size`` tokens are
 quantized once when they fill (``quantize_tiles``, stored as ``[batch, kv_heads, tiles,
 tile_bytes]`` uint8) and read back through ``dequantize_tiles``; the tile being filled, and the sink
-tile when ``scheme.sink_tile``, stay in the model's dtype; ``scheme.for_layer(i)`` gives each layer's
+tile when ``scheme.sink_tile``, stay in the model's dtype; with ``scheme.sink_tokens`` the first
+tokens are also kept exactly and read in place of their packed values; ``scheme.for_layer(i)`` gives each layer's
 bits (None: the layer stays unquantized). Baselines are fake-quantized when they commit; ``"fp16"``
 quantizes nothing. For speed, each layer also keeps what its committed bytes decode to (a server
 decodes them in registers instead); :meth:`KVarNCache.nbytes` counts only what a server stores.
@@ -24,7 +25,7 @@ from typing import Any
 
 from transformers.cache_utils import Cache
 
-from kvarn.hf.layers import BaselineCommitter, Committer, KVarNLayer, TileCommitter
+from kvarn.hf.layers import BaselineCommitter, KVarNLayer, TileCommitter
 from kvarn.hf.spec import BaselineLike, Spec, resolve_spec, spec_name
 from kvarn.schemes import Scheme
 
@@ -49,15 +50,16 @@ def model_geometry(config: Any) -> tuple[int, int, int]:
     return layers, kv_heads, head_dim
 
 
-def _committer(spec: Spec, layer: int, head_dim: int) -> tuple[Committer | None, int]:
+def _layer(spec: Spec, layer: int, head_dim: int, quantize_before_read: bool) -> KVarNLayer:
     if spec is None:
-        return None, 0
+        return KVarNLayer(None)
     if isinstance(spec, Scheme):
         s = spec.for_layer(layer)
         if s is None:
-            return None, 0
-        return TileCommitter(s, head_dim), (s.group_size if s.sink_tile else 0)
-    return BaselineCommitter(spec, head_dim), 0
+            return KVarNLayer(None)
+        sink = s.group_size if s.sink_tile else 0
+        return KVarNLayer(TileCommitter(s, head_dim), sink, quantize_before_read, exact_tokens=s.sink_tokens)
+    return KVarNLayer(BaselineCommitter(spec, head_dim), 0, quantize_before_read)
 
 
 class KVarNCache(Cache):
@@ -82,10 +84,7 @@ class KVarNCache(Cache):
         self.spec: Spec = resolve_spec(scheme_or_name)
         self.name = spec_name(self.spec)
         self.num_layers, self.num_kv_heads, self.head_dim = model_geometry(config)
-        layers = []
-        for i in range(self.num_layers):
-            committer, sink = _committer(self.spec, i, self.head_dim)
-            layers.append(KVarNLayer(committer, sink, quantize_before_read))
+        layers = [_layer(self.spec, i, self.head_dim, quantize_before_read) for i in range(self.num_layers)]
         super().__init__(layers=layers)  # type: ignore[arg-type]
 
     @property
@@ -94,8 +93,9 @@ class KVarNCache(Cache):
 
     def nbytes_breakdown(self) -> dict[str, int]:
         """Bytes held: ``quantized`` (packed records, or baselines' honest bytes), ``unquantized``
-        (sink and tail in the model's dtype), ``total``; and ``quantized_elements`` /
-        ``unquantized_elements`` (keys and values counted separately)."""
+        (sink, tail and exact sink-token copies in the model's dtype), ``total``; and
+        ``quantized_elements`` / ``unquantized_elements`` / ``copy_elements`` (keys and values
+        counted separately; copies are numbers also held packed, so they add bytes, not tokens)."""
         q = round(sum(layer.quantized_bytes() for layer in self.kv_layers))
         u = sum(layer.unquantized_bytes() for layer in self.kv_layers)
         return {
@@ -104,6 +104,7 @@ class KVarNCache(Cache):
             "total": q + u,
             "quantized_elements": sum(layer.quantized_elements() for layer in self.kv_layers),
             "unquantized_elements": sum(layer.unquantized_elements() for layer in self.kv_layers),
+            "copy_elements": sum(layer.copy_elements() for layer in self.kv_layers),
         }
 
     def nbytes(self) -> int:
@@ -118,4 +119,5 @@ class KVarNCache(Cache):
         elements = b["quantized_elements"] + b["unquantized_elements"]
         if elements == 0:
             raise ValueError("the cache is empty; bits per element are undefined")
-        return (8.0 * q + unquantized_bits * b["unquantized_elements"]) / elements
+        held = b["unquantized_elements"] + b["copy_elements"]
+        return (8.0 * q + unquantized_bits * held) / elements

@@ -1,5 +1,10 @@
 """One layer of :class:`kvarn.hf.KVarNCache`: an unquantized tail, committed tokens, an optional sink.
 
+Two kinds of sink (see :class:`kvarn.schemes.Scheme`): a *sink tile* (``sink_tokens``: the first
+tokens never enter a tile; committed tiles start after them) and *exact sink tokens*
+(``exact_tokens``: the first tokens are committed inside tile 0 like any other, and also kept
+exactly; once tile 0 is committed, the exact copies are read in place of their decoded values).
+
 Tokens arrive at the tail (model dtype). A committer moves the oldest tokens out of the tail once
 enough have arrived: kvarn schemes commit whole tiles (``group_size`` tokens) into packed records,
 baselines commit ``commit_tokens`` tokens at a time, keeping their ``window`` newest ones. The
@@ -108,24 +113,37 @@ class KVarNLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         committer: how full groups of tokens are stored; None keeps the layer unquantized.
         sink_tokens: the first ``sink_tokens`` tokens stay unquantized (a scheme's sink tile).
         quantize_before_read: commit before returning (see the module docstring).
+        exact_tokens: the first ``exact_tokens`` tokens are also kept exactly and read in place of
+            their committed values (a scheme's ``sink_tokens``).
     """
 
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, committer: Committer | None, sink_tokens: int = 0, quantize_before_read: bool = False) -> None:
+    def __init__(
+        self,
+        committer: Committer | None,
+        sink_tokens: int = 0,
+        quantize_before_read: bool = False,
+        exact_tokens: int = 0,
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        if sink_tokens and exact_tokens:
+            raise ValueError("a layer keeps a sink tile (sink_tokens) or exact sink tokens (exact_tokens), not both")
         self.quantize_before_read = quantize_before_read
         self.committer = committer
         self.sink_tokens = sink_tokens
+        self.exact_tokens = exact_tokens if committer is not None else 0
         self.length = 0
         self.sink_k = self.sink_v = self.done_k = self.done_v = self.tail_k = self.tail_v = torch.empty(0)
+        self.exact_k = self.exact_v = torch.empty(0)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.sink_k, self.sink_v = _empty(key_states), _empty(value_states)
         self.done_k, self.done_v = _empty(key_states), _empty(value_states)  # committed: decoded bytes
         self.tail_k, self.tail_v = _empty(key_states), _empty(value_states)
+        self.exact_k, self.exact_v = _empty(key_states), _empty(value_states)  # copies of the first tokens
         self.is_initialized = True
 
     def update(
@@ -148,6 +166,10 @@ class KVarNLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         self.tail_v = torch.cat([self.tail_v, value_states], dim=-2)
         if self.committer is None:
             return
+        wanted = self.exact_tokens - self.exact_k.shape[-2]
+        if wanted > 0:  # tokens arrive in order: the first ones appended are the sequence's first
+            self.exact_k = torch.cat([self.exact_k, key_states[:, :, :wanted]], dim=-2)
+            self.exact_v = torch.cat([self.exact_v, value_states[:, :, :wanted]], dim=-2)
         missing = self.sink_tokens - self.sink_k.shape[-2]
         if missing > 0:  # the first tokens of the sequence fill the sink before anything is committed
             self.sink_k = torch.cat([self.sink_k, self.tail_k[:, :, :missing]], dim=-2)
@@ -157,6 +179,10 @@ class KVarNLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         due = max(0, (self.tail_k.shape[-2] - w) // c) * c
         if due:
             kq, vq = self.committer.commit(self.tail_k[:, :, :due], self.tail_v[:, :, :due])
+            n = self.exact_k.shape[-2] if self.done_k.shape[-2] == 0 else 0
+            if n:  # tile 0 was just committed: read its first tokens from the exact copies
+                kq, vq = kq.clone(), vq.clone()
+                kq[:, :, :n], vq[:, :, :n] = self.exact_k, self.exact_v
             self.done_k = torch.cat([self.done_k, kq], dim=-2)
             self.done_v = torch.cat([self.done_v, vq], dim=-2)
             self.tail_k, self.tail_v = self.tail_k[:, :, due:], self.tail_v[:, :, due:]
@@ -186,11 +212,15 @@ class KVarNLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
             return 0
         return sum(t.numel() for t in (self.sink_k, self.sink_v, self.tail_k, self.tail_v))
 
+    def copy_elements(self) -> int:
+        """Numbers held twice: exact copies of sink tokens (their packed values are counted too)."""
+        return 0 if not self.is_initialized else self.exact_k.numel() + self.exact_v.numel()
+
     def unquantized_bytes(self) -> int:
-        """Bytes of the sink and the tail as held (model dtype)."""
+        """Bytes of the sink, the tail and the exact sink-token copies as held (model dtype)."""
         if not self.is_initialized:
             return 0
-        return self.unquantized_elements() * self.tail_k.element_size()
+        return (self.unquantized_elements() + self.copy_elements()) * self.tail_k.element_size()
 
     def quantized_elements(self) -> int:
         """Numbers (keys and values) held quantized."""
@@ -200,6 +230,7 @@ class KVarNLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     def reset(self) -> None:
         self.length = 0
         self.is_initialized = False
+        self.exact_k = self.exact_v = torch.empty(0)
         if self.committer is not None:
             self.committer.reset()
 

@@ -46,7 +46,7 @@ class FakeEvaluator:
         scale = 1.1 if s.scale_dtype == "log8" else 1.0
         rot = {"hadamard": 1.0, "rhadamard": 0.97, "none": 3.0}[s.rotation]
         it = 1.6 if s.norm_iters == 0 else 1.0 + 0.02 * abs(s.norm_iters - 8) / 8
-        sink = 0.95 if s.sink_tile else 1.0
+        sink = 0.95 if s.sink_tile else (0.97 if s.sink_tokens else 1.0)
         return sens * bits * g * scale * rot * it * sink
 
     def evaluate(

@@ -58,12 +58,14 @@ def test_tiers_follow_sensitivity_ranking() -> None:
         "rotation": "hadamard",
         "norm_iters": 8,
         "scale_dtype": "log8",
-        "sink_tile": True,
+        "sink": "tile",
         "n_protect": 3,
         "protect_up": 9,
         "n_demote": 9,
         "demote_down": 1,
     }
+    assert space.build(p).name == "kvarn_k3v2_g64_s8_sink_L0-1k8v8_L20-28k2v2_L29k8v8"  # k8v8 is the top rung
+    space = SearchSpace(num_layers=30, ranking=RANK, allow_fp16_layers=True)
     s = space.build(p)
     assert s.name == "kvarn_k3v2_g64_s8_sink_L0-1fp16_L20-28k2v2_L29fp16"
     assert [i for i in range(30) if s.for_layer(i) is None] == [0, 1, 29]
@@ -85,7 +87,9 @@ def test_tiers_follow_sensitivity_ranking() -> None:
 def test_seeds_are_in_the_space() -> None:
     space = SearchSpace(num_layers=30)
     names = [space.build(p).name for p in space.seeds()]
-    assert names == ["kvarn_k4v2_g128", "kvarn_k4v2_g128_s8", "kvarn_k3v2_g128_s8"]
+    assert names == ["kvarn_k4v2_g128", "kvarn_k4v2_g128_s8_sink1", "kvarn_k3v2_g128_s8_sink1"]
+    no_sink = SearchSpace(num_layers=30, sinks=("0",))
+    assert [no_sink.build(p).name for p in no_sink.seeds()][1] == "kvarn_k4v2_g128_s8"
     small = SearchSpace(num_layers=30, group_sizes=(32, 64))
     assert small.build(small.seeds()[0]).group_size == 64
 
@@ -95,6 +99,8 @@ def test_bad_space_is_rejected() -> None:
         SearchSpace(num_layers=3, ranking=(0, 0, 1))
     with pytest.raises(ValueError, match="group size"):
         SearchSpace(num_layers=3, group_sizes=())
+    with pytest.raises(ValueError, match="sink choices .'3'. are not valid; allowed: 0, tile, 1, 2, 4, 8"):
+        SearchSpace(num_layers=3, sinks=("3",))
 
 
 def test_only_layer_quantizes_one_layer() -> None:
@@ -126,11 +132,25 @@ def test_sensitivity_pass_is_cached(tmp_path) -> None:
     assert len(calls) == 8
 
 
-def test_no_sink_space_never_samples_a_sink_tile() -> None:
-    """``kvarn-tune --no-sink``: only presets without a sink tile (servable by the vLLM backend)."""
-    with_sink = _sample_many(SearchSpace(num_layers=30, ranking=RANK), optuna.samplers.RandomSampler(seed=2), 60)
+def test_sink_choices_limit_what_is_sampled() -> None:
+    """``--sinks``/``--no-sink``: the space samples exactly the sink kinds it is given."""
+    every = _sample_many(SearchSpace(num_layers=30, ranking=RANK), optuna.samplers.RandomSampler(seed=2), 60)
+    assert any(s.sink_tile for s in every) and {s.sink_tokens for s in every} >= {0, 1, 2, 4}
     without = _sample_many(
-        SearchSpace(num_layers=30, ranking=RANK, sink_tile=(False,)), optuna.samplers.RandomSampler(seed=2), 60
+        SearchSpace(num_layers=30, ranking=RANK, sinks=("0",)), optuna.samplers.RandomSampler(seed=2), 60
     )
-    assert any(s.sink_tile for s in with_sink)
-    assert not any(s.sink_tile for s in without)
+    assert not any(s.sink_len for s in without)
+    tokens = _sample_many(
+        SearchSpace(num_layers=30, ranking=RANK, sinks=("1", "4")), optuna.samplers.RandomSampler(seed=2), 40
+    )
+    assert {s.sink_tokens for s in tokens} == {1, 4} and not any(s.sink_tile for s in tokens)
+
+
+def test_default_ladder_never_leaves_a_layer_unquantized() -> None:
+    schemes = _sample_many(SearchSpace(num_layers=30, ranking=RANK), optuna.samplers.RandomSampler(seed=5), 60)
+    assert all(s.for_layer(i) is not None for s in schemes for i in range(30))
+    assert any(o.key_bits == 8 for s in schemes for o in s.overrides)
+    fp16 = _sample_many(
+        SearchSpace(num_layers=30, ranking=RANK, allow_fp16_layers=True), optuna.samplers.RandomSampler(seed=5), 60
+    )
+    assert any(s.for_layer(i) is None for s in fp16 for i in range(30))

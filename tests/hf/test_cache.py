@@ -117,6 +117,33 @@ def test_sink_tile_stays_unquantized() -> None:
     assert cache.nbytes() == 2 * B * H * scheme.tile_bytes(D) + (64 + 9) * B * H * D * 2 * 4
 
 
+@pytest.mark.parametrize("sizes", [[3, 100, 40, 1], [1, 1, 1, 200, 1], [143, 1]])
+def test_sink_tokens_are_read_exactly_inside_packed_tile_zero(sizes: list[int]) -> None:
+    scheme = Scheme.from_name("kvarn_k4v2_g64_sink2")
+    cache = KVarNCache(scheme, tiny_config())
+    k, v = kv(sum(sizes), seed=3)
+    (k_all, v_all) = feed(cache, k, v, sizes)[-1]
+    ref_k, ref_v = roundtrip_tiles(k[:, :, :128], v[:, :, :128], scheme)  # tile 0 packed with its sink tokens
+    assert torch.equal(k_all[:, :, :2], k[:, :, :2]) and torch.equal(v_all[:, :, :2], v[:, :, :2])
+    assert torch.equal(k_all[:, :, 2:128], ref_k[:, :, 2:]) and torch.equal(v_all[:, :, 2:128], ref_v[:, :, 2:])
+    assert not torch.equal(ref_v[:, :, :2], v[:, :, :2])  # without the copies tile 0 reads differently
+    layer = cache.kv_layers[0]
+    assert layer.committer is not None and layer.committer.records is not None
+    tiles = sum(sizes) // 64
+    assert layer.committer.records.shape[2] == tiles  # the same records as without sink tokens
+    tail = sum(sizes) - 64 * tiles
+    copies = 2 * B * H * D * 2  # two tokens, keys and values
+    assert cache.nbytes_breakdown()["copy_elements"] == copies  # only layer 0 was fed
+    assert cache.nbytes() == tiles * B * H * scheme.tile_bytes(D) + (tail * B * H * D * 2 + copies) * 4
+
+
+def test_sink_tokens_before_tile_zero_fills_read_the_tail_once() -> None:
+    cache = KVarNCache("kvarn_k4v2_g64_sink4", tiny_config())
+    k, v = kv(40, seed=4)
+    (k_all, v_all) = feed(cache, k, v, [2, 38])[-1]
+    assert k_all.shape[2] == 40 and torch.equal(k_all, k) and torch.equal(v_all, v)
+
+
 def test_per_layer_overrides() -> None:
     scheme = Scheme.from_name("kvarn_k4v2_g64_L0fp16_L2k4v4")
     cache = KVarNCache(scheme, tiny_config(layers=3))
