@@ -11,6 +11,10 @@ zero point per channel, factor per token) the scores are
 Scores use base 2 (``sm_scale * log2(e)`` is folded into the query). The packed part of the
 context is attended in the rotated domain; the unquantized sink and tail tokens in the plain one;
 the two accumulators are merged after un-rotating the first.
+
+With in-tile sink tokens (``SINK_TOKENS > 0``) the exact copies are attended like a sink tile (in
+split 0), and the scores of the same positions in tile 0 (also in split 0) are masked to -inf, so
+their dequantized values weigh nothing.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def decode_kernel(
     stride_th,
     stride_tt,
     tail_len_ptr,  # [B] int32
-    sink_k_ptr,  # [B, Hkv, T, D] (ignored without HAS_SINK)
+    sink_k_ptr,  # [B, Hkv, T, D] (ignored without HAS_SINK; SINK_TOKENS: copies of tile 0's first tokens)
     sink_v_ptr,
     stride_sb,
     stride_sh,
@@ -114,6 +118,7 @@ def decode_kernel(
     LOG8: tl.constexpr,
     ROTATE: tl.constexpr,
     HAS_SINK: tl.constexpr,
+    SINK_TOKENS: tl.constexpr,  # > 0: the sink copies replace tile 0's first tokens (needs HAS_SINK)
     KC: tl.constexpr,  # record section offsets
     VC: tl.constexpr,
     KS: tl.constexpr,
@@ -141,15 +146,17 @@ def decode_kernel(
     acc_rot = tl.zeros((BLOCK_G, D), tl.float32)
     acc_plain = tl.zeros((BLOCK_G, D), tl.float32)
 
-    if HAS_SINK:  # noqa: SIM102  (constexpr guard around a runtime condition)
+    ntiles = tl.load(ntiles_ptr + b)
+    if HAS_SINK:
+        n_sink = tl.load(sink_len_ptr + b)
+        if SINK_TOKENS > 0:  # before tile 0 is packed its tokens are in the tail: no copies then
+            n_sink = tl.where(ntiles > 0, tl.minimum(tl.maximum(n_sink, 0), SINK_TOKENS), 0)
         if split == 0:
             sink = b.to(tl.int64) * stride_sb + hk * stride_sh
             m, lsum, acc_rot, acc_plain = _plain_tokens(
-                sink_k_ptr + sink, sink_v_ptr + sink, tl.load(sink_len_ptr + b), qs, m, lsum, acc_rot, acc_plain,
-                stride_st, T, D,
+                sink_k_ptr + sink, sink_v_ptr + sink, n_sink, qs, m, lsum, acc_rot, acc_plain, stride_st, T, D,
             )  # fmt: skip
 
-    ntiles = tl.load(ntiles_ptr + b)
     per_split = tl.cdiv(ntiles, S)
     start = split * per_split
     end = tl.minimum(start + per_split, ntiles)
@@ -162,6 +169,8 @@ def decode_kernel(
         kf = load_positive(rec + KF, t, lut_ptr, LOG8)
         s = tl.dot(qr * ks[None, :], kcode) + tl.sum(qr * ko[None, :], axis=1)[:, None]
         s = s * kf[None, :]
+        if SINK_TOKENS > 0:  # tile 0 is in split 0: its first n_sink tokens were attended exactly
+            s = tl.where((i == 0) & (t[None, :] < n_sink), float("-inf"), s)
         p, m, lsum, acc_rot, acc_plain = _softmax_step(s, m, lsum, acc_rot, acc_plain)
         vcode = load_codes(rec + VC, t[:, None], d[None, :], VB, T, D).to(tl.float32)  # [T, D]
         vs = load_positive(rec + VS, t, lut_ptr, LOG8)

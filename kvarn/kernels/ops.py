@@ -8,13 +8,23 @@ Paged cache layout (one layer)::
     num_tiles    [batch] int32                how many entries of block_table are full (quantized) tiles
     tail_k/v     [batch, num_kv_heads, group_size, head_dim] fp16/bf16/fp32, unrotated: the tile
                                               being filled; tail_lens [batch] int32 valid tokens
-    sink_k/v     optional, same shape as tail: the first tile kept unquantized (scheme.sink_tile);
-                                              sink_lens [batch] int32 valid tokens
+    sink_k/v     same shape as tail, unrotated, exact first tokens of the sequence in rows
+                                              0..sink_lens[b]-1; sink_lens [batch] int32. Required
+                                              when scheme.sink_len > 0, meaning one of:
 
-A sequence's context is, in token order: sink tokens, then its ``num_tiles`` packed tiles, then its
-tail tokens. :func:`split_lengths` turns context lengths into those three counts. Queries and
-outputs are unrotated; kernels rotate the query and un-rotate the output when the scheme rotates.
-The staging tensors (tail, sink) may be any strided views whose last axis is contiguous.
+* ``scheme.sink_tile``: the sink is the whole first tile, kept instead of a packed one. A
+  sequence's context is, in token order: ``sink_lens`` sink tokens, ``num_tiles`` packed tiles,
+  ``tail_lens`` tail tokens.
+* ``scheme.sink_tokens = S``: every tile is packed as without a sink (tile 0 included); the context
+  is ``num_tiles`` packed tiles then the tail, and readers take positions ``0..sink_lens[b]-1`` of
+  the first packed tile (``block_table[b, 0]``) from the exact copies instead of dequantizing them.
+  The effective sink length is ``min(sink_lens[b], S)`` when ``num_tiles[b] > 0`` and 0 otherwise:
+  larger values are clamped (no device sync), and before tile 0 is full its tokens are in the
+  tail, so the copies are ignored rather than attended twice.
+
+:func:`split_lengths` turns context lengths into those counts. Queries and outputs are unrotated;
+kernels rotate the query and un-rotate the output when the scheme rotates. The staging tensors
+(tail, sink) may be any strided views whose last axis is contiguous.
 """
 
 from __future__ import annotations
@@ -146,15 +156,24 @@ _NOMINAL_SMS = 132  # an H100 SXM; used when no CUDA device is present (interpre
 def split_lengths(seq_lens: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Context lengths ``[B]`` -> ``(num_tiles, tail_lens, sink_lens)`` ``[B]`` int32 for this layout.
 
-    With ``scheme.sink_tile`` the first ``group_size`` tokens are sink tokens; otherwise
-    ``sink_lens`` is None. Every full tile after them is packed; the rest is the tail.
+    With ``scheme.sink_tile`` the first ``group_size`` tokens are sink tokens and every full tile
+    after them is packed. With ``scheme.sink_tokens = S`` every full tile is packed and
+    ``sink_lens`` is ``min(len, S)`` once the first tile is packed, else 0 (the tokens are still in
+    the tail). Otherwise ``sink_lens`` is None. The rest is the tail.
+
+    Example:
+        >>> lens = torch.tensor([1, 40, 64])
+        >>> [x.tolist() for x in split_lengths(lens, Scheme.from_name("kvarn_k4v2_g32_sink2"))]
+        [[0, 1, 2], [1, 8, 0], [0, 2, 2]]
     """
     lens = seq_lens.to(torch.int32)
     t = scheme.group_size
     sink = torch.clamp(lens, max=t) if scheme.sink_tile else None
     rest = lens - sink if sink is not None else lens
     tiles = torch.div(rest, t, rounding_mode="floor")
-    return tiles.to(torch.int32), (rest - tiles * t).to(torch.int32), sink
+    if scheme.sink_tokens:
+        sink = torch.where(tiles > 0, torch.clamp(lens, max=scheme.sink_tokens), 0)
+    return tiles.to(torch.int32), (rest - tiles * t).to(torch.int32), None if sink is None else sink.to(torch.int32)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, device: torch.device) -> int:
@@ -195,8 +214,11 @@ def decode_attention(
         tail_k, tail_v: ``[B, num_kv_heads, group_size, D]`` fp16/bf16/fp32, unrotated, last axis
             contiguous, same strides; ``tail_lens`` ``[B]`` int32 valid tokens (0..group_size).
         scheme: a scheme without per-layer overrides.
-        sink_k, sink_v, sink_lens: the unquantized first tile, like the tail (required when
-            ``scheme.sink_tile``).
+        sink_k, sink_v, sink_lens: exact first tokens, shaped like the tail; required when
+            ``scheme.sink_len > 0``. The sink tile (``scheme.sink_tile``), attended before the
+            packed tiles; or copies of the first ``scheme.sink_tokens`` tokens, used instead of
+            positions ``< min(sink_lens[b], sink_tokens)`` of tile ``block_table[b, 0]`` and
+            ignored while ``num_tiles[b] == 0`` (see the module docstring).
         sm_scale: softmax scale, default ``1/sqrt(D)``.
         num_splits: split-K factor; default :func:`choose_num_splits` (1 = no split).
         out: optional ``[B, num_q_heads, D]`` output buffer.
@@ -221,12 +243,8 @@ def decode_attention(
     check_tensor("block_table", block_table, (bsz, None), (torch.int32,), dev)
     check_tensor("num_tiles", num_tiles, (bsz,), (torch.int32,), dev)
     _check_staging("tail", tail_k, tail_v, tail_lens, bsz, hkv, t, d, dev)
-    if scheme.sink_tile and sink_k is None:
-        raise KernelArgumentError(f"scheme {scheme.name} keeps a sink tile: pass sink_k, sink_v and sink_lens")
-    if sink_k is not None:
-        if sink_v is None or sink_lens is None:
-            raise KernelArgumentError("sink_k, sink_v and sink_lens go together")
-        _check_staging("sink", sink_k, sink_v, sink_lens, bsz, hkv, t, d, dev)
+    _check_sink(scheme, sink_k, sink_v, sink_lens, bsz, hkv, d, dev)
+    if sink_k is not None and sink_v is not None and sink_lens is not None:
         sk, sv, sl = sink_k, sink_v, sink_lens
     else:  # the kernel ignores these (HAS_SINK=False); any valid pointers do
         sk, sv, sl = tail_k, tail_v, tail_lens
@@ -261,6 +279,7 @@ def decode_attention(
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), S=splits,
         KB=scheme.key_bits, VB=scheme.value_bits, T=t, D=d,
         LOG8=scheme.scale_dtype == "log8", ROTATE=scheme.rotation != "none", HAS_SINK=has_sink,
+        SINK_TOKENS=scheme.sink_tokens,
         KC=lay.key_codes, VC=lay.value_codes, KS=lay.key_scale, KO=lay.key_offset, KF=lay.key_factor,
         VS=lay.value_scale, VO=lay.value_offset, VF=lay.value_factor,
         **cfg.launch_kwargs(),
@@ -271,6 +290,26 @@ def decode_attention(
             S=splits, BLOCK_S=triton.next_power_of_2(splits), D=d,
         )  # fmt: skip
     return out
+
+
+def _check_sink(
+    scheme: Scheme,
+    sink_k: torch.Tensor | None,
+    sink_v: torch.Tensor | None,
+    sink_lens: torch.Tensor | None,
+    bsz: int,
+    hkv: int,
+    d: int,
+    dev: torch.device,
+) -> None:
+    """The sink arguments: required by a scheme with a sink, all three or none, staging-shaped."""
+    if sink_k is None and scheme.sink_len:
+        kept = "a sink tile" if scheme.sink_tile else f"its first {scheme.sink_tokens} tokens exactly"
+        raise KernelArgumentError(f"scheme {scheme.name} keeps {kept}: pass sink_k, sink_v and sink_lens")
+    if (sink_k is None) != (sink_v is None) or (sink_k is None) != (sink_lens is None):
+        raise KernelArgumentError("sink_k, sink_v and sink_lens go together")
+    if sink_k is not None and sink_v is not None and sink_lens is not None:
+        _check_staging("sink", sink_k, sink_v, sink_lens, bsz, hkv, scheme.group_size, d, dev)
 
 
 def _check_staging(
@@ -319,6 +358,7 @@ def prefill_attention(
     (sink, ``num_tiles[b]`` packed tiles, ``tail_lens[b]`` tail tokens; all zero for a first
     chunk); the new tokens follow it. Packed tiles are dequantized into a workspace of
     ``query.dtype`` (``[B, Hkv, L, D]``, ``L`` the longest context): correct first, not fused.
+    In-tile sink copies (``scheme.sink_tokens``) then overwrite tile 0's first positions there.
 
     Args:
         query: ``[total_q, num_q_heads, D]`` new tokens of all sequences, packed by sequence.
@@ -352,12 +392,7 @@ def prefill_attention(
     check_tensor("block_table", block_table, (bsz, None), (torch.int32,), dev)
     check_tensor("num_tiles", num_tiles, (bsz,), (torch.int32,), dev)
     _check_staging("tail", tail_k, tail_v, tail_lens, bsz, hkv, t, d, dev)
-    if scheme.sink_tile and sink_k is None:
-        raise KernelArgumentError(f"scheme {scheme.name} keeps a sink tile: pass sink_k, sink_v and sink_lens")
-    if sink_k is not None:
-        if sink_v is None or sink_lens is None:
-            raise KernelArgumentError("sink_k, sink_v and sink_lens go together")
-        _check_staging("sink", sink_k, sink_v, sink_lens, bsz, hkv, t, d, dev)
+    _check_sink(scheme, sink_k, sink_v, sink_lens, bsz, hkv, d, dev)
     if out is None:
         out = torch.empty(total, hq, d, dtype=query.dtype, device=dev)
     check_tensor("out", out, (total, hq, d), FLOAT_DTYPES, dev)
@@ -367,13 +402,18 @@ def prefill_attention(
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     sinks = sink_lens.tolist() if sink_lens is not None else [0] * bsz
     tiles, tails = num_tiles.tolist(), tail_lens.tolist()
-    cached = [s + n * t + r for s, n, r in zip(sinks, tiles, tails, strict=True)]
+    if scheme.sink_tokens:  # copies inside tile 0 (clamped, none before it is packed); no tokens ahead of it
+        in_tile = [min(max(s, 0), scheme.sink_tokens) if n else 0 for s, n in zip(sinks, tiles, strict=True)]
+        ahead = [0] * bsz
+    else:
+        in_tile, ahead = [0] * bsz, sinks
+    cached = [s + n * t + r for s, n, r in zip(ahead, tiles, tails, strict=True)]
     ctx = [c + n for c, n in zip(cached, q_lens, strict=True)]
     ws_k = torch.zeros(bsz, hkv, max(max(ctx), 1), d, dtype=query.dtype, device=dev)
     ws_v = torch.zeros_like(ws_k)
     starts = cu_seqlens_q.tolist()
-    for b in range(bsz):  # unquantized pieces: sink, tail, new tokens
-        s0, p0 = sinks[b], sinks[b] + tiles[b] * t
+    for b in range(bsz):  # unquantized pieces: sink tile, tail, new tokens
+        s0, p0 = ahead[b], ahead[b] + tiles[b] * t
         if s0 and sink_k is not None and sink_v is not None:
             ws_k[b, :, :s0], ws_v[b, :, :s0] = sink_k[b, :, :s0], sink_v[b, :, :s0]
         ws_k[b, :, p0 : cached[b]] = tail_k[b, :, : tails[b]]
@@ -383,7 +423,7 @@ def prefill_attention(
     max_tiles = max(tiles)
     if max_tiles:
         lay = layout(scheme, d)
-        first = torch.tensor(sinks, dtype=torch.int32, device=dev)
+        first = torch.tensor(ahead, dtype=torch.int32, device=dev)
         dequant_tiles_kernel[(bsz, max_tiles, hkv)](
             cache, cache.stride(0), cache.stride(1), block_table, block_table.stride(0), num_tiles, first,
             rotation(scheme.rotation, d, dev), log8_table(dev),
@@ -394,6 +434,9 @@ def prefill_attention(
             VS=lay.value_scale, VO=lay.value_offset, VF=lay.value_factor,
             **dequant_configs(scheme, d)[0].launch_kwargs(),
         )  # fmt: skip
+    for b, s0 in enumerate(in_tile):  # after dequantization (same stream): exact copies over tile 0's first tokens
+        if s0 and sink_k is not None and sink_v is not None:
+            ws_k[b, :, :s0], ws_v[b, :, :s0] = sink_k[b, :, :s0], sink_v[b, :, :s0]
     cfg = config or prefill_configs(d)[0]
     ctx_t = torch.tensor(ctx, dtype=torch.int32, device=dev)
     prefill_kernel[(triton.cdiv(max(q_lens), cfg.block_m), bsz, hq)](

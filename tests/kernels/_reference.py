@@ -46,12 +46,18 @@ class PagedBatch:
 
 
 def paged_batch(scheme: Scheme, lens: list[int], hkv: int, d: int, seed: int = 0, spare_blocks: int = 3) -> PagedBatch:
-    """Quantize random contexts of ``lens`` tokens with the reference codec into a shuffled paged cache."""
+    """Quantize random contexts of ``lens`` tokens with the reference codec into a shuffled paged cache.
+
+    With ``scheme.sink_tokens`` the sink buffers hold the exact first tokens of tile 0 (random
+    rows elsewhere, and for sequences without a packed tile, where the kernels must ignore them),
+    and the context sees those exact tokens in place of their dequantized ones.
+    """
     t = scheme.group_size
     g = torch.Generator().manual_seed(seed + 1000)
     sink_lens = [min(n, t) for n in lens] if scheme.sink_tile else [0] * len(lens)
     tiles = [(n - s) // t for n, s in zip(lens, sink_lens, strict=True)]
     tails = [n - s - k * t for n, s, k in zip(lens, sink_lens, tiles, strict=True)]
+    in_tile = [min(n, scheme.sink_tokens) if k else 0 for n, k in zip(lens, tiles, strict=True)]
     total = sum(tiles)
     num_blocks = total + spare_blocks
     perm = torch.randperm(num_blocks, generator=g)  # non-contiguous block tables
@@ -75,6 +81,10 @@ def paged_batch(scheme: Scheme, lens: list[int], hkv: int, d: int, seed: int = 0
             cache[blocks] = recs
             table[b, : tiles[b]] = blocks.to(torch.int32)
             dk, dv = dequantize_tiles(recs.view(tiles[b] * hkv, -1), scheme, d)
+            if in_tile[b]:  # tile 0 of head h is row h: its first tokens read exactly
+                s0 = in_tile[b]
+                sink_k[b, :, :s0], sink_v[b, :, :s0] = k[:hkv, :s0], v[:hkv, :s0]
+                dk[:hkv, :s0], dv[:hkv, :s0] = k[:hkv, :s0], v[:hkv, :s0]
             parts_k.append(dk.view(tiles[b], hkv, t, d).permute(1, 0, 2, 3).reshape(hkv, -1, d))
             parts_v.append(dv.view(tiles[b], hkv, t, d).permute(1, 0, 2, 3).reshape(hkv, -1, d))
         parts_k.append(tail_k[b, :, : tails[b]])
@@ -85,7 +95,9 @@ def paged_batch(scheme: Scheme, lens: list[int], hkv: int, d: int, seed: int = 0
     def i32(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int32, device=DEVICE)
 
-    has_sink = scheme.sink_tile
+    has_sink = scheme.sink_len > 0
+    if scheme.sink_tokens:
+        sink_lens = in_tile
     return PagedBatch(
         cache.to(DEVICE),
         table.to(DEVICE),

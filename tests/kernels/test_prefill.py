@@ -8,13 +8,35 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvarn.kernels import KernelConfig, prefill_attention
+from kvarn.codec import dequantize_tiles
+from kvarn.kernels import KernelArgumentError, KernelConfig, prefill_attention
 from kvarn.schemes import Scheme
 
-from ._reference import DEVICE, attention, paged_batch, sqnr_db
+from ._reference import DEVICE, PagedBatch, attention, paged_batch, sqnr_db
 
 MIN_SQNR_DB = 40.0
 SMALL = KernelConfig(num_warps=4, num_stages=1, block_m=16, block_n=32)  # few interpreter steps
+
+
+def _new_tokens(lens: list[int], hkv: int, group: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random query ``[sum(lens), hkv * group, d]``, key and value ``[sum(lens), hkv, d]`` float32 (CPU)."""
+    g = torch.Generator().manual_seed(1)
+    total = sum(lens)
+    return (
+        torch.randn(total, hkv * group, d, generator=g),
+        torch.randn(total, hkv, d, generator=g),
+        torch.randn(total, hkv, d, generator=g),
+    )
+
+
+def _run(
+    scheme: Scheme, pb: PagedBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor
+) -> torch.Tensor:
+    return prefill_attention(
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cu.to(DEVICE), pb.cache, pb.block_table, pb.num_tiles,
+        pb.tail_k, pb.tail_v, pb.tail_lens, scheme, sink_k=pb.sink_k, sink_v=pb.sink_v, sink_lens=pb.sink_lens,
+        config=SMALL,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -24,6 +46,9 @@ SMALL = KernelConfig(num_warps=4, num_stages=1, block_m=16, block_n=32)  # few i
         ("kvarn_k4v2_g32", 128, 1, 8, [3 * 32 + 11, 64], [20, 16]),  # after tiles + a mid-tile tail; tile-aligned
         ("kvarn_k3v2_g32_s8_sink", 64, 1, 1, [2 * 32 + 9, 7], [9, 33]),  # sink tile kept unquantized
         ("kvarn_k4v4_g64_rot-none", 64, 1, 2, [64 + 1], [1]),  # a one-token chunk is a decode step
+        # sink tokens: exact copies over tile 0; tail-only and empty caches ignore them
+        ("kvarn_k4v2_g32_sink2", 64, 2, 2, [3 * 32 + 5, 32, 1, 0], [7, 40, 33, 34]),
+        ("kvarn_k3v2_g32_rot-rh_s8_sink8", 64, 1, 3, [32 + 9, 20], [1, 16]),
     ],
 )
 def test_prefill_matches_causal_reference(
@@ -31,17 +56,9 @@ def test_prefill_matches_causal_reference(
 ) -> None:
     scheme = Scheme.from_name(name)
     pb = paged_batch(scheme, cached, hkv, d, seed=d + group)
-    g = torch.Generator().manual_seed(1)
-    total = sum(new)
-    q = torch.randn(total, hkv * group, d, generator=g)
-    k = torch.randn(total, hkv, d, generator=g)
-    v = torch.randn(total, hkv, d, generator=g)
+    q, k, v = _new_tokens(new, hkv, group, d)
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
-    out = prefill_attention(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cu.to(DEVICE), pb.cache, pb.block_table, pb.num_tiles,
-        pb.tail_k, pb.tail_v, pb.tail_lens, scheme, sink_k=pb.sink_k, sink_v=pb.sink_v, sink_lens=pb.sink_lens,
-        config=SMALL,
-    )  # fmt: skip
+    out = _run(scheme, pb, q, k, v, cu)
     refs = []
     for b in range(len(new)):
         rows = slice(int(cu[b]), int(cu[b + 1]))
@@ -50,6 +67,35 @@ def test_prefill_matches_causal_reference(
         refs.append(attention(q[rows], ctx_k, ctx_v, causal_offset=cached[b]))
     assert out.shape == q.shape
     assert sqnr_db(torch.cat(refs), out.cpu()) >= MIN_SQNR_DB
+
+
+def test_prefill_sink_tokens_differ_from_reading_tile_0_quantized_and_clamp_sink_lens() -> None:
+    scheme = Scheme.from_name("kvarn_k4v2_g32_sink2")
+    pb = paged_batch(scheme, [2 * 32 + 3, 5], 1, 64)
+    q, k, v = _new_tokens([9, 4], hkv=1, group=2, d=64)
+    cu = torch.tensor([0, 9, 13], dtype=torch.int32)
+    out = _run(scheme, pb, q, k, v, cu)
+    assert pb.sink_lens is not None
+    pb.sink_lens = torch.full_like(pb.sink_lens, 32)  # clamped to 2; ignored without a packed tile
+    assert torch.equal(_run(scheme, pb, q, k, v, cu), out)
+    dk, dv = dequantize_tiles(pb.cache[pb.block_table[0, :1].long()].view(1, -1).cpu(), scheme, 64)
+    quant_k, quant_v = pb.context_k[0].clone(), pb.context_v[0].clone()
+    quant_k[:, :32], quant_v[:, :32] = dk, dv
+    new_k, new_v = k[:9].transpose(0, 1), v[:9].transpose(0, 1)
+    ref = attention(q[:9], torch.cat([pb.context_k[0], new_k], 1), torch.cat([pb.context_v[0], new_v], 1), 67)
+    quantized = attention(q[:9], torch.cat([quant_k, new_k], 1), torch.cat([quant_v, new_v], 1), 67)
+    assert sqnr_db(ref, out[:9].cpu()) >= MIN_SQNR_DB
+    assert sqnr_db(quantized, out[:9].cpu()) < 20.0
+
+
+def test_prefill_sink_tokens_require_sink_arguments() -> None:
+    scheme = Scheme.from_name("kvarn_k4v2_g32_sink1")
+    pb = paged_batch(scheme, [40], 1, 64)
+    q, k, v = _new_tokens([3], hkv=1, group=1, d=64)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    pb.sink_k = pb.sink_v = pb.sink_lens = None
+    with pytest.raises(KernelArgumentError, match="keeps its first 1 tokens exactly: pass sink_k"):
+        _run(scheme, pb, q, k, v, cu)
 
 
 def test_prefill_is_causal() -> None:
