@@ -6,14 +6,17 @@ record of :func:`kvarn.codec.quantize_tiles`, so ``page_bytes = scheme.tile_byte
 (the largest over layers when a preset overrides bit widths per layer). vLLM derives the number
 of blocks, and so the KV tokens it reports, from this page size.
 
-Partially filled tiles live in staging slots (see :mod:`kvarn.vllm.staging`), planned once per
-step by :class:`KvarnMetadataBuilder`. Compute: :mod:`kvarn.vllm.torch_path`.
+Partially filled tiles live in staging slots (see :mod:`kvarn.vllm.staging`) and, for schemes with
+``sink_tokens``, exact copies of each sequence's first tokens in sink slots (:mod:`kvarn.vllm.sinks`;
+pages do not change), both planned once per step by :class:`KvarnMetadataBuilder`. Compute:
+:mod:`kvarn.vllm.torch_path` (CPU) and :mod:`kvarn.vllm.triton_path` (CUDA).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -32,6 +35,7 @@ from kvarn.schemes import Scheme, get_preset
 from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
 from kvarn.vllm import torch_path, triton_path
 from kvarn.vllm.plugin import is_kvarn_dtype, staging_slots
+from kvarn.vllm.sinks import SinkPool
 from kvarn.vllm.staging import RequestPlan, StagingPool
 
 logger = logging.getLogger("kvarn.vllm")
@@ -67,7 +71,10 @@ def page_bytes(scheme: Scheme, head_dim: int, num_layers: int) -> int:
             f"{scheme.name}: head_dim {head_dim} is not supported; supported: {', '.join(map(str, ALLOWED_HEAD_DIMS))}"
         )
     if scheme.sink_tile:
-        raise ValueError(f"{scheme.name}: sink_tile presets are not served by the vLLM backend yet")
+        raise ValueError(
+            f"{scheme.name}: sink_tile presets are not served by the vLLM backend yet; _sink1.._sink8 "
+            "(exact first tokens beside unchanged tiles) are"
+        )
     sizes = []
     for layer in range(max(num_layers, 1)):
         s = scheme.for_layer(layer)
@@ -143,10 +150,11 @@ class KvarnMetadata:
     num_actual_tokens: int
     plans: list[RequestPlan]
     num_slots: int
+    num_sink_slots: int = 0  # 0: the scheme keeps no sink tokens
 
 
 class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
-    """Plans staging once per step; logs the staging memory at start-up."""
+    """Plans staging (and sink slots) once per step; logs their memory at start-up and on growth."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -161,19 +169,27 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         initial, most = staging_slots(max_seqs)
         self.pool = StagingPool(initial, t, max_slots=most)
         dtype = vllm_config.model_config.dtype
+        assert isinstance(dtype, torch.dtype)  # resolved from "auto" etc. when the config was built
         self.per_slot = 2 * kv_cache_spec.num_kv_heads * t * kv_cache_spec.head_size * dtype.itemsize
         self.per_slot *= len(layer_names)
+        # sink slots: [num_kv_heads, sink_tokens, head_dim] keys and values per layer, per sequence
+        s = self.scheme.sink_tokens
+        self.sinks = SinkPool(initial, s, max_slots=most) if s else None
+        self.per_sink = 2 * kv_cache_spec.num_kv_heads * s * kv_cache_spec.head_size * dtype.itemsize
+        self.per_sink *= len(layer_names)
+        self.warned_missing = False
         logger.warning(
-            "kvarn %s: staging for partial tiles (%s, outside the KV cache space): %d slots = %.1f MiB now, "
+            "kvarn %s: staging for partial tiles%s (%s, outside the KV cache space): %d slots = %.1f MiB now, "
             "growing on demand to max_num_seqs=%d slots = %.1f MiB (%.0f KiB per slot over %d layers); "
             "set KVARN_STAGING_SLOTS for the initial size",
             self.scheme.name,
+            f" and exact copies of the first {s} tokens" if s else "",
             dtype,
             initial,
-            initial * self.per_slot / 2**20,
+            initial * (self.per_slot + self.per_sink) / 2**20,
             most,
-            most * self.per_slot / 2**20,
-            self.per_slot / 1024,
+            most * (self.per_slot + self.per_sink) / 2**20,
+            (self.per_slot + self.per_sink) / 1024,
             len(layer_names),
         )
 
@@ -196,7 +212,27 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                 self.pool.num_slots * self.per_slot / 2**20,
                 self.pool.max_slots,
             )
-        return KvarnMetadata(m.num_actual_tokens, plans, self.pool.num_slots)
+        if self.sinks is None:
+            return KvarnMetadata(m.num_actual_tokens, plans, self.pool.num_slots)
+        grown = len(self.sinks.growths)
+        self.sinks.plan(plans, seq_lens, rows)
+        if len(self.sinks.growths) > grown:
+            logger.warning(
+                "kvarn: sink slots grew to %d = %.2f MiB (bound: %d)",
+                self.sinks.num_slots,
+                self.sinks.num_slots * self.per_sink / 2**20,
+                self.sinks.max_slots,
+            )
+        if self.sinks.missing and not self.warned_missing:
+            self.warned_missing = True
+            logger.warning(
+                "kvarn %s: a request reads its first tile without the exact copies of its first %d tokens "
+                "(their sink slot was reclaimed: a prefix-cache hit on a sequence that ended long ago, or "
+                "more sequences than max_num_seqs); it reads them quantized. Logged once.",
+                self.scheme.name,
+                self.scheme.sink_tokens,
+            )
+        return KvarnMetadata(m.num_actual_tokens, plans, self.pool.num_slots, self.sinks.num_slots)
 
 
 class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
@@ -252,6 +288,7 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         self.kv_cache_dtype = kv_cache_dtype
         self.layer_scheme: Scheme | None = None
         self.stage: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.sink: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _layer_scheme(self, layer: Any) -> Scheme:
         if self.layer_scheme is None:
@@ -281,19 +318,32 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         if attn_metadata is None:  # profiling / warm-up
             return output
         scheme = self._layer_scheme(layer)
-        if self.stage is None or self.stage[0].shape[0] < attn_metadata.num_slots:
-            shape = (attn_metadata.num_slots, self.num_kv_heads, scheme.group_size, self.head_size)
-            grown = [torch.zeros(shape, dtype=key.dtype, device=key.device) for _ in range(2)]
-            if self.stage is not None:  # the pool grew: keep what is staged
-                for new, old in zip(grown, self.stage, strict=True):
-                    new[: old.shape[0]] = old
-            self.stage = (grown[0], grown[1])
+        h, d = self.num_kv_heads, self.head_size
+        self.stage = _grown(self.stage, (attn_metadata.num_slots, h, scheme.group_size, d), key)
         sk, sv = self.stage
+        sink = None
+        if attn_metadata.num_sink_slots:
+            sink = self.sink = _grown(self.sink, (attn_metadata.num_sink_slots, h, scheme.sink_tokens, d), key)
         out = output.view(-1, self.num_heads, self.head_size)
         # CUDA: the Triton kernels; CPU (and pages wider than this layer's record): the torch path
-        path = torch_path
+        path: ModuleType = torch_path
         if query.is_cuda and triton_path.usable(kv_cache, scheme, self.head_size):
-            path = triton_path  # type: ignore[assignment]
-        path.attend(query, key, value, kv_cache, sk, sv, attn_metadata.plans, scheme, self.scale, out)
-        path.commit(key, value, kv_cache, sk, sv, attn_metadata.plans, scheme)
+            path = triton_path
+        plans = attn_metadata.plans
+        path.attend(query, key, value, kv_cache, sk, sv, plans, scheme, self.scale, out, sink=sink)
+        path.commit(key, value, kv_cache, sk, sv, plans, scheme, sink=sink)
         return output
+
+
+def _grown(
+    slots: tuple[torch.Tensor, torch.Tensor] | None, shape: tuple[int, int, int, int], like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of ``shape`` (``[num_slots, H, tokens, D]``, ``like``'s dtype and device):
+    ``slots`` if they have that many slots, else new zeros keeping what ``slots`` held."""
+    if slots is not None and slots[0].shape[0] >= shape[0]:
+        return slots
+    grown = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(2)]
+    if slots is not None:  # the pool grew: keep what is held
+        for new, old in zip(grown, slots, strict=True):
+            new[: old.shape[0]] = old
+    return grown[0], grown[1]

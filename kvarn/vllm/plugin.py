@@ -4,7 +4,9 @@
 more than once, so it is idempotent). It
 
 1. registers every known preset name (built-ins, the bundled ``presets/`` folder, the folders in
-   ``KVARN_PRESET_PATH`` and the user preset folder, scanned at start-up) as a KV-cache dtype:
+   ``KVARN_PRESET_PATH`` and the user preset folder, scanned at start-up; plus canonical names
+   such as ``kvarn_k4v2_g128_sink1`` that the front end resolved, passed to the processes it
+   spawns in ``KVARN_RESOLVED_DTYPES``) as a KV-cache dtype:
    vLLM 0.33's ``register_kv_cache_dtype`` when present; on vLLM 0.32 by extending the closed
    ``CacheDType`` Literal (every module that bound it), rebuilding the pydantic ``CacheConfig``,
    clearing the cached argparse kwargs, and mapping the name to ``torch.uint8`` storage;
@@ -25,6 +27,7 @@ import logging
 import os
 import sys
 import typing
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -37,6 +40,10 @@ PREFIX = "kvarn_"
 BACKEND_PATH = "kvarn.vllm.backend.KvarnAttentionBackend"
 BACKEND_NAME = "KVARN"
 STAGING_SLOTS_ENV = "KVARN_STAGING_SLOTS"
+# Names resolved in the front end that no preset file lists (canonical names such as
+# kvarn_k4v2_g128_sink1): exported here so that the engine and worker processes, which vLLM spawns
+# with this environment and which only scan the preset folders, register them too.
+RESOLVED_ENV = "KVARN_RESOLVED_DTYPES"
 DEFAULT_INITIAL_SLOTS = 16
 _REGISTERED: set[str] = set()
 _PATCHED: set[str] = set()
@@ -62,7 +69,11 @@ def staging_slots(max_num_seqs: int) -> tuple[int, int]:
 
 
 def _patch_model_runner() -> None:
-    """Publish, each step, the last block of every request the runner holds (see kvarn.vllm.staging)."""
+    """Publish, each step, the last and first block of every request the runner holds.
+
+    The last blocks free staging slots of dead requests (:mod:`kvarn.vllm.staging`), the first
+    blocks free sink slots (:mod:`kvarn.vllm.sinks`).
+    """
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:  # pragma: no cover - other runner layouts: the pool then reclaims LRU only
@@ -76,9 +87,10 @@ def _patch_model_runner() -> None:
         from kvarn.vllm.staging import LIVE_BLOCKS
 
         try:
-            LIVE_BLOCKS["blocks"] = {ids[-1] for r in self.requests.values() for ids in r.block_ids if ids}
+            rows = [ids for r in self.requests.values() for ids in r.block_ids if ids]
+            LIVE_BLOCKS["blocks"], LIVE_BLOCKS["first"] = {ids[-1] for ids in rows}, {ids[0] for ids in rows}
         except AttributeError:  # pragma: no cover - a runner without per-request block ids
-            LIVE_BLOCKS["blocks"] = None
+            LIVE_BLOCKS["blocks"] = LIVE_BLOCKS["first"] = None
         return result
 
     GPUModelRunner._update_states = _update_states  # type: ignore[method-assign]
@@ -199,7 +211,8 @@ def check_model(name: str, vllm_config: Any) -> None:
     if scheme.sink_tile:
         raise ValueError(
             f"kv_cache_dtype={name!r}: sink_tile presets (first tile kept unquantized) are not served by the "
-            "vLLM backend yet; use the same preset without _sink"
+            f"vLLM backend yet; use {replace(scheme, sink_tile=False, sink_tokens=1).name} (the first token "
+            "kept exactly, tiles unchanged) or the same preset without _sink"
         )
     if model is None:
         return
@@ -241,6 +254,9 @@ def _patch_engine_args() -> None:
         if is_kvarn_dtype(name):
             preset = get_preset(name)  # raises UnknownSchemeError listing the known names
             register_dtypes([preset.name])  # canonical names not scanned at start-up
+            resolved = os.environ.get(RESOLVED_ENV, "").split(",")
+            if preset.name not in resolved:  # ... nor by the processes vLLM spawns
+                os.environ[RESOLVED_ENV] = ",".join([n for n in resolved if n] + [preset.name])
             if self.block_size is None:
                 self.block_size = preset.scheme.group_size
 
@@ -269,6 +285,12 @@ def register() -> None:
         from kvarn.schemes import BUILTINS
 
         names = list(BUILTINS)
+    for extra in filter(None, os.environ.get(RESOLVED_ENV, "").split(",")):  # see RESOLVED_ENV
+        try:
+            name = get_preset(extra).name
+            names += [name] if name not in names else []
+        except Exception as e:  # a stale name must not break vLLM for other dtypes
+            logger.warning("kvarn: %s lists %r, which does not resolve (%s); skipped", RESOLVED_ENV, extra, e)
     register_dtypes(names)
     _register_backend()
     _patch_platform()

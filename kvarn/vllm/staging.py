@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Last block id of every request the model runner holds, refreshed each step by the plugin's hook on
-# the runner (None: no hook ran, every staged block counts as possibly live).
-LIVE_BLOCKS: dict[str, set[int] | None] = {"blocks": None}
+# Last block id ("blocks") and first block id ("first", keys of kvarn.vllm.sinks) of every request
+# the model runner holds, refreshed each step by the plugin's hook on the runner (None: no hook ran,
+# every staged block counts as possibly live).
+LIVE_BLOCKS: dict[str, set[int] | None] = {"blocks": None, "first": None}
 
 
 class StagingLostError(RuntimeError):
@@ -47,6 +48,10 @@ class RequestPlan:
     rem_tokens: int  # tokens left in the last, partial block after this step
     rem_slot: int  # its slot (-1 when rem_tokens == 0)
     dummy: bool = False  # a profiling/warm-up request on the null block: no cache reads or writes
+    # exact first tokens (schemes with sink_tokens; set by kvarn.vllm.sinks.SinkPool.plan)
+    sink_slot: int = -1  # the request's sink slot, -1 when it neither reads nor writes one
+    sink_write: int = 0  # this step's first tokens to copy into the slot, at position ctx
+    sink_read: int = 0  # exact tokens replacing positions 0.. of ctx_blocks[0] (0: read it quantized)
 
 
 @dataclass

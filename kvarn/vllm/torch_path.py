@@ -7,6 +7,10 @@ reads the cache as it was before this step: full context tiles from their packed
 part of a partial context tile from its staging slot, this step's own tokens unquantized (as a
 prefill chunk has them). Afterwards this step's tokens are committed: every tile that became full is
 quantized into its page (``quantize_tiles``, one call for the layer), the rest goes to staging.
+
+Schemes with ``sink_tokens``: the first tokens of each sequence are also written, exactly, into its
+sink slot (:mod:`kvarn.vllm.sinks`), and attention over a packed tile 0 uses those copies (rotated
+like staged tokens) in place of the decoded positions ``0..sink_read-1``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ def attend(
     scheme: Scheme,
     scale: float,
     output: torch.Tensor,
+    *,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Attention of this step's queries over cached context plus their own tokens.
 
@@ -56,6 +62,8 @@ def attend(
         plans: one :class:`RequestPlan` per request (from the metadata builder).
         scale: softmax scale.
         output: ``[N, Hq, D]``, written in place for the tokens of ``plans``.
+        sink: ``([num_sink_slots, H, S, D], same)`` exact first tokens (model dtype, unrotated) of
+            each sequence, for schemes with ``sink_tokens = S``; read where a plan's ``sink_read`` > 0.
     """
     rot, t = scheme.rotation, scheme.group_size
     n_kv, d = key.shape[1], key.shape[2]
@@ -71,6 +79,11 @@ def attend(
         if p.ctx_blocks:
             assert ctx is not None
             n = len(p.ctx_blocks)
+            if p.sink_read:  # tile 0's first tokens: the exact copies instead of their decoded values
+                assert sink is not None, "a plan reads sink tokens but no sink slots were given"
+                # in place: rows off.. of ctx are this request's own decoded tiles
+                ctx[0][off, :, : p.sink_read] = rotate(sink[0][p.sink_slot, :, : p.sink_read], rot)
+                ctx[1][off, :, : p.sink_read] = rotate(sink[1][p.sink_slot, :, : p.sink_read], rot)
             ks.append(ctx[0][off : off + n].permute(1, 0, 2, 3).reshape(n_kv, n * t, d))
             vs.append(ctx[1][off : off + n].permute(1, 0, 2, 3).reshape(n_kv, n * t, d))
             off += n
@@ -101,8 +114,12 @@ def stage_and_collect(
     stage_v: torch.Tensor,
     plans: list[RequestPlan],
     group_size: int,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
     """Write each request's remainder into its staging slot; return the tiles that became full.
+
+    With ``sink`` (``[num_sink_slots, H, S, D]`` keys and values), also copy each plan's
+    ``sink_write`` first tokens into its sink slot.
 
     Returns:
         ``([F, H, T, D], [F, H, T, D], block ids [F])`` unrotated keys/values of full tiles, or None.
@@ -116,6 +133,11 @@ def stage_and_collect(
             continue
         sl = slice(p.q_start, p.q_start + p.q_len)
         tk, tv = key[sl].transpose(0, 1), value[sl].transpose(0, 1)  # [H, n, D]
+        if p.sink_write:
+            assert sink is not None, "a plan writes sink tokens but no sink slots were given"
+            pos = len(p.ctx_blocks) * t + p.staged_read  # tokens before this step's
+            sink[0][p.sink_slot, :, pos : pos + p.sink_write] = tk[:, : p.sink_write]
+            sink[1][p.sink_slot, :, pos : pos + p.sink_write] = tv[:, : p.sink_write]
         if p.staged_read:
             tk = torch.cat([stage_k[p.read_slot, :, : p.staged_read], tk], dim=1)
             tv = torch.cat([stage_v[p.read_slot, :, : p.staged_read], tv], dim=1)
@@ -140,12 +162,15 @@ def commit(
     stage_v: torch.Tensor,
     plans: list[RequestPlan],
     scheme: Scheme,
+    *,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Store this step's keys/values: quantize tiles that became full, stage the remainder.
+    """Store this step's keys/values: quantize tiles that became full, stage the remainder, copy
+    the first tokens into sink slots.
 
     Shapes as in :func:`attend`. Raises ``ValueError`` (from the codec) on inf/NaN keys or values.
     """
-    full = stage_and_collect(key, value, stage_k, stage_v, plans, scheme.group_size)
+    full = stage_and_collect(key, value, stage_k, stage_v, plans, scheme.group_size, sink)
     if full is None:
         return
     k, v, blocks = full

@@ -5,6 +5,11 @@ paged cache, ``store_tiles`` for tiles that became full).
 The kernels read ``cache`` as ``[num_blocks, num_kv_heads, tile_bytes]``; a page is exactly one
 record per head unless a preset gives layers different bit widths (pages then hold the widest
 record), in which case :func:`usable` is False and the torch path serves the layer.
+
+Schemes with ``sink_tokens``: the kernels take each request's exact first tokens as ``sink_k/v``
+(``[B, H, group_size, D]``, rows ``0..sink_lens[b]-1`` from its sink slot, zeros beyond) and use
+them in place of those positions of its first packed tile; the copies are written by the shared
+:func:`~kvarn.vllm.torch_path.stage_and_collect`.
 """
 
 from __future__ import annotations
@@ -17,8 +22,31 @@ from kvarn.vllm.torch_path import stage_and_collect
 
 
 def usable(cache: torch.Tensor, scheme: Scheme, head_dim: int) -> bool:
-    """Whether the kernels can address this layer's pages (page bytes == this layer's record bytes)."""
+    """Whether the kernels can address this layer's pages (page bytes == this layer's record bytes).
+
+    Sink tiles are not served by the backend; in-tile sink tokens are (the kernels take the copies).
+    """
     return cache.shape[-1] == scheme.tile_bytes(head_dim) and not scheme.sink_tile
+
+
+_NO_SINK: tuple[None, None, None] = (None, None, None)
+
+
+def _sinks(
+    plans: list[RequestPlan], sink: tuple[torch.Tensor, torch.Tensor] | None, stage_k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[None, None, None]:
+    """The kernels' ``sink_k, sink_v`` ``[B, H, T, D]`` (exact first tokens in rows
+    ``0..sink_lens[b]-1``, zeros beyond) and ``sink_lens`` ``[B]`` int32; Nones without slots."""
+    if sink is None:
+        return _NO_SINK
+    b, (_, h, t, d), s = len(plans), stage_k.shape, sink[0].shape[2]
+    sink_k = torch.zeros(b, h, t, d, dtype=sink[0].dtype, device=sink[0].device)
+    sink_v = torch.zeros_like(sink_k)
+    slots = torch.tensor([max(p.sink_slot, 0) for p in plans], dtype=torch.long, device=sink[0].device)
+    sink_k[:, :, :s] = sink[0].index_select(0, slots)
+    sink_v[:, :, :s] = sink[1].index_select(0, slots)
+    lens = torch.tensor([p.sink_read for p in plans], dtype=torch.int32, device=sink[0].device)
+    return sink_k, sink_v, lens
 
 
 def _context(
@@ -53,6 +81,8 @@ def attend(
     scheme: Scheme,
     scale: float,
     output: torch.Tensor,
+    *,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Same contract as :func:`kvarn.vllm.torch_path.attend` (``cache`` ``[B, H, 1, page_bytes]``)."""
     from kvarn.kernels import ops
@@ -62,6 +92,7 @@ def attend(
         return
     pages = cache[:, :, 0, :]
     table, num_tiles, tail_k, tail_v, tail_lens = _context(live, stage_k, stage_v, query.device)
+    sink_k, sink_v, sink_lens = _sinks(live, sink, stage_k)
     if all(p.q_len == 1 for p in live):
         idx = torch.tensor([p.q_start for p in live], dtype=torch.long, device=query.device)
         # the new token joins its tail unquantized (the tails are copies), as in the torch path
@@ -71,7 +102,18 @@ def attend(
         tail_v[rows, :, pos] = value.index_select(0, idx).to(tail_v.dtype)
         tail_lens = tail_lens + 1
         out = ops.decode_attention(
-            query.index_select(0, idx), pages, table, num_tiles, tail_k, tail_v, tail_lens, scheme, sm_scale=scale
+            query.index_select(0, idx),
+            pages,
+            table,
+            num_tiles,
+            tail_k,
+            tail_v,
+            tail_lens,
+            scheme,
+            sink_k=sink_k,
+            sink_v=sink_v,
+            sink_lens=sink_lens,
+            sm_scale=scale,
         )
         output.index_copy_(0, idx, out.to(output.dtype))
         return
@@ -81,7 +123,21 @@ def attend(
     if sum(p.q_len for p in live) != last - first:  # requests with no tokens in between: not expected
         raise RuntimeError("kvarn: the step's query tokens are not contiguous per request")
     out = ops.prefill_attention(
-        query[sl], key[sl], value[sl], cu, pages, table, num_tiles, tail_k, tail_v, tail_lens, scheme, sm_scale=scale
+        query[sl],
+        key[sl],
+        value[sl],
+        cu,
+        pages,
+        table,
+        num_tiles,
+        tail_k,
+        tail_v,
+        tail_lens,
+        scheme,
+        sink_k=sink_k,
+        sink_v=sink_v,
+        sink_lens=sink_lens,
+        sm_scale=scale,
     )
     output[sl] = out.to(output.dtype)
 
@@ -94,11 +150,13 @@ def commit(
     stage_v: torch.Tensor,
     plans: list[RequestPlan],
     scheme: Scheme,
+    *,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Same contract as :func:`kvarn.vllm.torch_path.commit`, quantizing with ``store_tiles``."""
     from kvarn.kernels import ops
 
-    full = stage_and_collect(key, value, stage_k, stage_v, plans, scheme.group_size)
+    full = stage_and_collect(key, value, stage_k, stage_v, plans, scheme.group_size, sink)
     if full is None:
         return
     k, v, blocks = full
