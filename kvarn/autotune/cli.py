@@ -33,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", type=Path, help="calibration text file (default: the bundled GPL-3 text)")
     p.add_argument("--tokens", type=int, default=1024, help="tokens evaluated on each part (default 1024)")
     p.add_argument("--holdout", type=float, default=0.5, help="fraction of the text held out (default 0.5)")
+    p.add_argument(
+        "--split",
+        choices=("interleaved", "contiguous"),
+        default="interleaved",
+        help="interleaved (default): alternate paragraphs go to calibration and held-out, so both sample the "
+        "whole text; contiguous: the first part calibrates, the last part is held out",
+    )
     p.add_argument("--trials", type=int, default=30, help="trials in the study, resumed ones included")
     p.add_argument("--timeout", type=float, help="stop starting new trials after this many seconds")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (same seed, same result)")
@@ -121,6 +128,7 @@ def _config(args: argparse.Namespace) -> TuneConfig | str:
         text=text,
         tokens=args.tokens,
         holdout=args.holdout,
+        split=args.split,
         trials=args.trials,
         timeout=args.timeout,
         seed=args.seed,

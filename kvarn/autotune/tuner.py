@@ -42,6 +42,7 @@ class TuneConfig:
     text: str | None = None  # None: the bundled GPL-3 text
     tokens: int = 1024  # per part: calibration and held-out each evaluate this many tokens
     holdout: float = 0.5  # fraction of the text kept for confirmation
+    split: str = "interleaved"  # how the held-out part is cut from the text (see split_text)
     trials: int = 30
     timeout: float | None = None
     seed: int = 0
@@ -120,11 +121,32 @@ def bundled_text() -> str:
     return (Path(__file__).resolve().parents[1] / "data" / "gpl-3.txt").read_text()
 
 
-def split_text(text: str, holdout: float) -> tuple[str, str]:
-    """Calibration = the first ``1 - holdout`` of the text, held-out = the rest, cut at a paragraph
-    (else a line, else a space) boundary so no word straddles the two."""
+SPLITS: tuple[str, ...] = ("interleaved", "contiguous")
+
+
+def split_text(text: str, holdout: float, mode: str = "interleaved") -> tuple[str, str]:
+    """Split ``text`` into (calibration, held-out) parts that share no paragraph.
+
+    ``interleaved`` (default): paragraphs (blank-line separated) are dealt out in turn, a
+    ``holdout`` share of them to the held-out part, so both parts sample the whole text: a document
+    whose second half is more predictable (the bundled GPL-3: fp16 perplexity 19.7 on its first
+    half, 16.5 on its second, where every scheme's relative damage is about twice as large) does not
+    calibrate on the easy part and confirm on the hard one. ``contiguous``: the first
+    ``1 - holdout`` of the text, then the rest, cut at a paragraph (else a line, else a space)
+    boundary so no word straddles the two. A text with fewer than 4 paragraphs is always cut
+    contiguously.
+    """
     if not 0.0 < holdout < 1.0:
         raise ValueError(f"holdout={holdout} must be strictly between 0 and 1")
+    if mode not in SPLITS:
+        raise ValueError(f"split mode {mode!r} is not known; allowed: {', '.join(SPLITS)}")
+    paras = [p for p in text.split("\n\n") if p.strip()]
+    if mode == "interleaved" and len(paras) >= 4:
+        calib: list[str] = []
+        held: list[str] = []
+        for i, p in enumerate(paras):  # paragraph i is held out when the running share steps up
+            (held if int((i + 1) * holdout) > int(i * holdout) else calib).append(p)
+        return "\n\n".join(calib), "\n\n".join(held)
     cut = int(len(text) * (1.0 - holdout))
     for sep in ("\n\n", "\n", " "):
         i = text.find(sep, cut)
@@ -199,7 +221,16 @@ def _unique(cands: list[Candidate]) -> list[Candidate]:
 
 def _study_name(config: TuneConfig, space: SearchSpace, sha: str) -> str:
     sig = json.dumps(
-        [config.model, sha, config.tokens, config.holdout, config.budget.to_dict(), repr(space), config.seed],
+        [
+            config.model,
+            sha,
+            config.tokens,
+            config.holdout,
+            config.split,
+            config.budget.to_dict(),
+            repr(space),
+            config.seed,
+        ],
         sort_keys=True,
     )
     return f"kvarn-tune-{_slug(config.model)}-{config.budget.slug}-{hashlib.sha256(sig.encode()).hexdigest()[:10]}"
@@ -247,7 +278,7 @@ def tune(
     num_layers, head_dim = dims or model_dims(config.model)
     factory = factory or harness_factory(config)
     text = config.text if config.text is not None else bundled_text()
-    calib_text, held_text = split_text(text, config.holdout)
+    calib_text, held_text = split_text(text, config.holdout, config.split)
     sha = text_hash(text)
     groups = tuple(g for g in config.group_sizes if g * config.min_tiles <= config.tokens)
     if not groups:
@@ -401,6 +432,7 @@ def _finish(
         "budget": budget.to_dict(),
         "tokens": config.tokens,
         "holdout": config.holdout,
+        "split": config.split,
         "trials": config.trials,
         "seed": config.seed,
         "pareto": config.pareto,

@@ -41,12 +41,24 @@ def test_violation_signs() -> None:
 
 def test_split_text_disjoint_and_complete() -> None:
     text = "".join(f"paragraph {i} words words words.\n\n" for i in range(100))
-    a, b = split_text(text, 0.5)
+    a, b = split_text(text, 0.5, "contiguous")
     assert a + "\n\n" + b == text
     assert 0.45 < len(b) / len(text) < 0.55
     assert not a.endswith("\n") and b.startswith("paragraph")
     with pytest.raises(ValueError, match="holdout"):
         split_text(text, 1.0)
+    with pytest.raises(ValueError, match="split mode 'random' is not known; allowed: interleaved, contiguous"):
+        split_text(text, 0.5, "random")
+
+
+def test_interleaved_split_deals_out_paragraphs() -> None:
+    paras = [f"paragraph {i} words words words." for i in range(100)]
+    a, b = split_text("\n\n".join(paras), 0.5)
+    assert a.split("\n\n") == paras[0::2] and b.split("\n\n") == paras[1::2]
+    a, b = split_text("\n\n".join(paras), 0.25)
+    assert len(b.split("\n\n")) == 25 and not set(a.split("\n\n")) & set(b.split("\n\n"))
+    short = "one two three.\n\nfour five six."
+    assert split_text(short, 0.5) == split_text(short, 0.5, "contiguous")  # too few paragraphs
 
 
 def test_derived_name() -> None:
