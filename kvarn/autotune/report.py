@@ -43,6 +43,8 @@ def provenance(res: TuneResult, c: Candidate, text_source: str) -> dict[str, Any
         "text_sha256": res.text_sha256,
         "tokens": res.config["tokens"],
         "holdout_fraction": res.config["holdout"],
+        "split": res.config.get("split", "contiguous"),
+        "bits_context": res.config.get("bits_context"),
         "budget": res.config["budget"]["text"],
         "metric": res.config["budget"]["metric"],
         "limit": res.config["budget"]["limit"],
