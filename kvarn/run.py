@@ -81,7 +81,11 @@ STEPS: list[tuple[str, Step]] = [
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvarn.run", description="kvarn's main job (make run).")
     p.add_argument("--model", default="smollm2-135m", help="model alias or local Hugging Face folder")
-    p.add_argument("--schemes", default="all", help="schemes for the accuracy step (default: all)")
+    p.add_argument(
+        "--schemes",
+        default="all,kvarn_k4v2_g128_sink1",
+        help="schemes for the accuracy step (default: all built-ins and baselines, plus kvarn_k4v2_g128_sink1)",
+    )
     p.add_argument("--tokens", type=int, default=1024, help="accuracy step: tokens of the text (default 1024)")
     p.add_argument("--greedy-tokens", type=int, default=64, help="accuracy step: greedy continuation (default 64)")
     p.add_argument("--chunk", type=int, default=128, help="accuracy step: tokens per forward pass (default 128)")

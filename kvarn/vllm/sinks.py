@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvarn.vllm.staging import LIVE_BLOCKS, RequestPlan
+from kvarn.vllm.staging import LIVE_BLOCKS, RequestPlan, claim_slot
 
 
 @dataclass
@@ -60,23 +60,7 @@ class SinkPool:
 
     def _allocate(self, busy: set[int]) -> int:
         """A free slot, or -1 when every slot holds a first block of this step's requests."""
-        if self._free:
-            return self._free.pop()
-        live = LIVE_BLOCKS.get("first")
-        idle = [(self.last_step.get(s, -1), b) for b, s in self.slot_of_block.items() if b not in busy]
-        dead = [c for c in idle if live is not None and c[1] not in live]
-        if not dead and self.num_slots < self.max_slots:
-            grown = min(2 * self.num_slots, self.max_slots)
-            self._free = list(range(grown - 1, self.num_slots - 1, -1))
-            self.num_slots = grown
-            self.growths.append(grown)
-            return self._free.pop()
-        victims = sorted(dead or idle)
-        if not victims:
-            return -1
-        slot = self.slot_of_block.pop(victims[0][1])
-        self.fill.pop(slot, None)
-        return slot
+        return claim_slot(self, LIVE_BLOCKS.get("first"), busy)[0]
 
     def plan(self, plans: list[RequestPlan], seq_lens: list[int], block_table: list[list[int]]) -> None:
         """Set ``sink_slot``, ``sink_write`` and ``sink_read`` of this step's plans in place.

@@ -24,6 +24,7 @@ in the metadata builder and every layer applies the same plan to its own staging
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 # Last block id ("blocks") and first block id ("first", keys of kvarn.vllm.sinks) of every request
 # the model runner holds, refreshed each step by the plugin's hook on the runner (None: no hook ran,
@@ -33,6 +34,46 @@ LIVE_BLOCKS: dict[str, set[int] | None] = {"blocks": None, "first": None}
 
 class StagingLostError(RuntimeError):
     """A partially filled block needed its staged tokens but its slot had been reclaimed."""
+
+
+class SlotTable(Protocol):
+    """What :func:`claim_slot` needs of a pool (:class:`StagingPool`, ``kvarn.vllm.sinks.SinkPool``)."""
+
+    num_slots: int
+    max_slots: int
+    slot_of_block: dict[int, int]  # block id -> slot
+    fill: dict[int, int]  # slot -> tokens it holds
+    last_step: dict[int, int]  # slot -> step it was last used
+    growths: list[int]
+    _free: list[int]
+
+
+def claim_slot(pool: SlotTable, live: set[int] | None, busy: set[int]) -> tuple[int, int | None]:
+    """A slot for a new block: a free one; else, unless an idle slot holds a *dead* block (not in
+    ``live``), grow the pool (doubling, up to ``max_slots``); else reclaim the least recently used
+    idle slot (not of a block in ``busy``), dead blocks first.
+
+    Returns:
+        ``(slot, victim)``: ``victim`` is the reclaimed block when it may still be live (its owner
+        will miss its content), else None; ``(-1, None)`` when every slot is busy this step.
+    """
+    if pool._free:
+        return pool._free.pop(), None
+    idle = [(pool.last_step.get(s, -1), b) for b, s in pool.slot_of_block.items() if b not in busy]
+    dead = [c for c in idle if live is not None and c[1] not in live]
+    if not dead and pool.num_slots < pool.max_slots:
+        grown = min(2 * pool.num_slots, pool.max_slots)
+        pool._free = list(range(grown - 1, pool.num_slots - 1, -1))
+        pool.num_slots = grown
+        pool.growths.append(grown)
+        return pool._free.pop(), None
+    victims = sorted(dead or idle)
+    if not victims:
+        return -1, None
+    _, victim = victims[0]
+    slot = pool.slot_of_block.pop(victim)
+    pool.fill.pop(slot, None)
+    return slot, (None if dead else victim)
 
 
 @dataclass
@@ -85,28 +126,14 @@ class StagingPool:
     def _allocate(self, block: int, busy_blocks: set[int]) -> int:
         self._release(block)  # reused from offset 0: whatever was staged for it is stale
         self.lost.discard(block)
-        if self._free:
-            return self._free.pop()
-        live = LIVE_BLOCKS["blocks"]
-        idle = [(self.last_step.get(s, -1), b) for b, s in self.slot_of_block.items() if b not in busy_blocks]
-        dead = [c for c in idle if live is not None and c[1] not in live]
-        if not dead and self.num_slots < self.max_slots:
-            grown = min(2 * self.num_slots, self.max_slots)
-            self._free = list(range(grown - 1, self.num_slots - 1, -1))
-            self.num_slots = grown
-            self.growths.append(grown)
-            return self._free.pop()
-        victims = sorted(dead or idle)
-        if not victims:
+        slot, live_victim = claim_slot(self, LIVE_BLOCKS["blocks"], busy_blocks)
+        if slot < 0:
             raise StagingLostError(
                 f"all {self.num_slots} kvarn staging slots hold blocks of this step's requests; "
                 "raise max_num_seqs or KVARN_STAGING_SLOTS"
             )
-        _, victim = victims[0]
-        slot = self.slot_of_block.pop(victim)
-        self.fill.pop(slot, None)
-        if not dead:
-            self.lost.add(victim)
+        if live_victim is not None:
+            self.lost.add(live_victim)
         return slot
 
     def plan(

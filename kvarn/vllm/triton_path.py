@@ -101,20 +101,9 @@ def attend(
         tail_k[rows, :, pos] = key.index_select(0, idx).to(tail_k.dtype)
         tail_v[rows, :, pos] = value.index_select(0, idx).to(tail_v.dtype)
         tail_lens = tail_lens + 1
-        out = ops.decode_attention(
-            query.index_select(0, idx),
-            pages,
-            table,
-            num_tiles,
-            tail_k,
-            tail_v,
-            tail_lens,
-            scheme,
-            sink_k=sink_k,
-            sink_v=sink_v,
-            sink_lens=sink_lens,
-            sm_scale=scale,
-        )
+        paged = (pages, table, num_tiles, tail_k, tail_v, tail_lens, scheme)
+        q = query.index_select(0, idx)
+        out = ops.decode_attention(q, *paged, sink_k=sink_k, sink_v=sink_v, sink_lens=sink_lens, sm_scale=scale)
         output.index_copy_(0, idx, out.to(output.dtype))
         return
     first, last = live[0].q_start, live[-1].q_start + live[-1].q_len
@@ -122,22 +111,9 @@ def attend(
     sl = slice(first, last)
     if sum(p.q_len for p in live) != last - first:  # requests with no tokens in between: not expected
         raise RuntimeError("kvarn: the step's query tokens are not contiguous per request")
+    paged = (pages, table, num_tiles, tail_k, tail_v, tail_lens, scheme)
     out = ops.prefill_attention(
-        query[sl],
-        key[sl],
-        value[sl],
-        cu,
-        pages,
-        table,
-        num_tiles,
-        tail_k,
-        tail_v,
-        tail_lens,
-        scheme,
-        sink_k=sink_k,
-        sink_v=sink_v,
-        sink_lens=sink_lens,
-        sm_scale=scale,
+        query[sl], key[sl], value[sl], cu, *paged, sink_k=sink_k, sink_v=sink_v, sink_lens=sink_lens, sm_scale=scale
     )
     output[sl] = out.to(output.dtype)
 

@@ -28,5 +28,7 @@ def test_small_real_run_writes_loadable_preset(tmp_path: Path, monkeypatch: pyte
     assert prov["meets_budget_on_heldout"] is True
     assert prov["heldout"]["delta_ppl_pct"] <= 3.0
     assert prov["heldout"]["tokens"] == 384 and prov["calibration"]["tokens"] == 384
-    assert prov["bits_per_element"] == pytest.approx(p.scheme.bits_per_element(64, 30), abs=1e-6)
+    assert prov["bits_context"] == 384  # a sink, if chosen, is priced over the evaluated tokens
+    assert prov["bits_per_element"] == pytest.approx(p.scheme.bits_per_element(64, 30, context=384), abs=1e-6)
+    assert prov["split"] == "interleaved"
     assert prov["bits_per_element"] < 16.0
