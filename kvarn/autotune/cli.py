@@ -19,7 +19,8 @@ from typing import Any
 
 from kvarn.autotune.budget import BudgetError, parse_budget
 from kvarn.autotune.report import check_writable, plot_front, summary_table, to_json, write_presets
-from kvarn.autotune.tuner import TuneConfig, derived_name, model_dims, tune
+from kvarn.autotune.space import SINK_CHOICES, SINKS
+from kvarn.autotune.tuner import SPLITS, TuneConfig, derived_name, model_dims, tune
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--holdout", type=float, default=0.5, help="fraction of the text held out (default 0.5)")
     p.add_argument(
         "--split",
-        choices=("interleaved", "contiguous"),
-        default="interleaved",
+        choices=SPLITS,
+        default=SPLITS[0],
         help="interleaved (default): alternate paragraphs go to calibration and held-out, so both sample the "
         "whole text; contiguous: the first part calibrates, the last part is held out",
     )
@@ -53,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-kv-inversion", action="store_true", help="allow fewer key bits than value bits")
     p.add_argument(
         "--sinks",
-        default="0,1,2,4,tile",
+        default=",".join(SINKS),
         help="sink choices to search, comma list: 0 (none), 1, 2, 4, 8 (first tokens also kept exactly), "
-        "tile (first tile unquantized; not served by the vLLM backend). Default 0,1,2,4,tile",
+        f"tile (first tile unquantized; not served by the vLLM backend). Default {','.join(SINKS)}",
     )
     p.add_argument("--no-sink", action="store_true", help="search no sink at all (same as --sinks 0)")
     p.add_argument(
@@ -111,9 +112,8 @@ def _config(args: argparse.Namespace) -> TuneConfig | str:
     if bad or not groups:
         return f"--group-sizes {args.group_sizes!r}: allowed {', '.join(map(str, ALLOWED_GROUP_SIZES))}"
     sinks = ("0",) if args.no_sink else tuple(x.strip() for x in args.sinks.split(",") if x.strip())
-    allowed_sinks = ("0", "1", "2", "4", "8", "tile")
-    if not sinks or any(x not in allowed_sinks for x in sinks):
-        return f"--sinks {args.sinks!r}: a comma list of {', '.join(allowed_sinks)}"
+    if not sinks or any(x not in SINK_CHOICES for x in sinks):
+        return f"--sinks {args.sinks!r}: a comma list of {', '.join(SINK_CHOICES)}"
     if args.context is not None and args.context < 1:
         return f"--context {args.context} must be >= 1 token"
     text = None

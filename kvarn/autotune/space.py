@@ -36,7 +36,8 @@ ALLOWED_ROTATIONS: tuple[str, ...] = ("hadamard", "rhadamard", "none")
 NORM_ITERS: tuple[int, ...] = (0, 2, 4, 8, 16)
 SCALE_DTYPES: tuple[str, ...] = ("fp16", "log8")
 FP16 = "fp16"
-SINKS: tuple[str, ...] = ("0", "1", "2", "4", "tile")
+SINKS: tuple[str, ...] = ("0", "1", "2", "4", "tile")  # searched by default
+SINK_CHOICES: tuple[str, ...] = ("0", "tile", *(str(n) for n in ALLOWED_SINK_TOKENS if n))  # allowed
 # Tier rungs: k4v2 before k3v3 (same bits; keys matter more), k8v4 before k8v2 (values need some bits).
 LADDER: tuple[str, ...] = ("k2v2", "k3v2", "k4v2", "k4v3", "k4v4", "k8v4", "k8v8")
 
@@ -113,10 +114,8 @@ class SearchSpace:
         object.__setattr__(self, "ranking", tuple(ranking))
         if not self.group_sizes:
             raise ValueError("no group size left to search; allow at least one")
-        allowed = ("0", "tile", *(str(n) for n in ALLOWED_SINK_TOKENS if n))
-        bad = [x for x in self.sinks if x not in allowed]
-        if bad or not self.sinks:
-            raise ValueError(f"sink choices {list(self.sinks)} are not valid; allowed: {', '.join(allowed)}")
+        if not self.sinks or any(x not in SINK_CHOICES for x in self.sinks):
+            raise ValueError(f"sink choices {list(self.sinks)} are not valid; allowed: {', '.join(SINK_CHOICES)}")
 
     @property
     def pairs(self) -> tuple[str, ...]:
