@@ -403,19 +403,17 @@ def prefill_attention(
     sinks = sink_lens.tolist() if sink_lens is not None else [0] * bsz
     tiles, tails = num_tiles.tolist(), tail_lens.tolist()
     if scheme.sink_tokens:  # copies inside tile 0 (clamped, none before it is packed); no tokens ahead of it
-        in_tile = [min(max(s, 0), scheme.sink_tokens) if n else 0 for s, n in zip(sinks, tiles, strict=True)]
+        copies = [min(max(s, 0), scheme.sink_tokens) if n else 0 for s, n in zip(sinks, tiles, strict=True)]
         ahead = [0] * bsz
-    else:
-        in_tile, ahead = [0] * bsz, sinks
+    else:  # a sink tile (or none) sits ahead of the packed tiles
+        copies = ahead = sinks
     cached = [s + n * t + r for s, n, r in zip(ahead, tiles, tails, strict=True)]
     ctx = [c + n for c, n in zip(cached, q_lens, strict=True)]
     ws_k = torch.zeros(bsz, hkv, max(max(ctx), 1), d, dtype=query.dtype, device=dev)
     ws_v = torch.zeros_like(ws_k)
     starts = cu_seqlens_q.tolist()
-    for b in range(bsz):  # unquantized pieces: sink tile, tail, new tokens
-        s0, p0 = ahead[b], ahead[b] + tiles[b] * t
-        if s0 and sink_k is not None and sink_v is not None:
-            ws_k[b, :, :s0], ws_v[b, :, :s0] = sink_k[b, :, :s0], sink_v[b, :, :s0]
+    for b in range(bsz):  # unquantized pieces after the packed tiles: tail, new tokens
+        p0 = ahead[b] + tiles[b] * t
         ws_k[b, :, p0 : cached[b]] = tail_k[b, :, : tails[b]]
         ws_v[b, :, p0 : cached[b]] = tail_v[b, :, : tails[b]]
         ws_k[b, :, cached[b] : ctx[b]] = key[starts[b] : starts[b + 1]].transpose(0, 1)
@@ -434,7 +432,9 @@ def prefill_attention(
             VS=lay.value_scale, VO=lay.value_offset, VF=lay.value_factor,
             **dequant_configs(scheme, d)[0].launch_kwargs(),
         )  # fmt: skip
-    for b, s0 in enumerate(in_tile):  # after dequantization (same stream): exact copies over tile 0's first tokens
+    # sink rows, after dequantization (same stream): the sink tile ahead of the tiles, or exact copies
+    # over tile 0's first tokens
+    for b, s0 in enumerate(copies):
         if s0 and sink_k is not None and sink_v is not None:
             ws_k[b, :, :s0], ws_v[b, :, :s0] = sink_k[b, :, :s0], sink_v[b, :, :s0]
     cfg = config or prefill_configs(d)[0]
