@@ -41,10 +41,14 @@ def step_accuracy(args: argparse.Namespace) -> int:
         argv += ["--json", args.json]
     if args.plot:
         argv += ["--plot", args.plot]
+    _SUMMARY["accuracy"] = (
+        f"decode mode, {tokens} tokens: table above ({'--json ' + args.json if args.json else 'docs/accuracy.md: 2048/8192 tokens'})"
+    )
     return kvarn_main(argv)
 
 
 _TUNED: list[str] = []  # the preset the tune step wrote, for the serve step
+_SUMMARY: dict[str, str] = {}  # step -> one line for the final summary
 
 
 def step_tune(args: argparse.Namespace) -> int:
@@ -53,10 +57,15 @@ def step_tune(args: argparse.Namespace) -> int:
 
     name = tune_default(args.model, "1%")
     if name is None:
-        print("kvarn-tune wrote no preset in the fast setting; the serve step uses kvarn_k4v2_g128")
+        print(
+            "kvarn-tune wrote no preset in the fast setting (its short texts are too noisy for a 1% budget); "
+            "the serve step uses the preset of the full tuning run in docs/tuned if present, else kvarn_k4v2_g128"
+        )
+        _SUMMARY["tune"] = "no preset within +1% in the fast setting (expected; see docs/tuning.md)"
     else:
         print(f"tuned preset: {name} (in the user preset directory; `kvarn presets` lists it)")
         _TUNED.append(name)
+        _SUMMARY["tune"] = f"wrote {name}"
     return 0
 
 
@@ -87,10 +96,11 @@ def step_serve(args: argparse.Namespace) -> int:
     candidates.append("kvarn_k4v2_g128")
     for preset in candidates:
         try:
-            if vllm_main(["--model", args.model, "--preset", preset]) == 0:
+            if vllm_main(["--model", args.model, "--preset", preset], summary=_SUMMARY) == 0:
                 return 0
         except Exception as e:  # a start-up refusal (e.g. a layout the backend does not serve) is reported
             print(f"vLLM could not serve {preset}: {e}")
+    _SUMMARY["serve"] = "vLLM could not serve any candidate preset (see above)"
     return 1
 
 
@@ -125,14 +135,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rc = 0
+    done: list[tuple[str, str, float]] = []
     for name, step in STEPS:
         if name in args.skip:
             continue
         print(f"\n== step: {name} ==", flush=True)
         t0 = time.perf_counter()
         code = step(args)
-        print(f"== {name}: {'ok' if code == 0 else f'exit {code}'} in {time.perf_counter() - t0:.0f} s ==", flush=True)
+        status = "ok" if code == 0 else f"exit {code}"
+        done.append((name, status, time.perf_counter() - t0))
+        print(f"== {name}: {status} in {done[-1][2]:.0f} s ==", flush=True)
         rc = rc or code
+    print("\n== summary ==")
+    for name, status, secs in done:
+        print(f"{name:<9} {status:<7} {secs:6.0f} s  {_SUMMARY.get(name, '')}")
+    print(f"{'total':<9} {'ok' if rc == 0 else 'FAILED':<7} {sum(s for _, _, s in done):6.0f} s")
     return rc
 
 

@@ -57,7 +57,8 @@ def serve_and_report(model: str, preset: str, kv_gib: int, max_tokens: int = 48)
     return ServeReport(preset, kv_bytes, tokens, kv_bytes // per_block * scheme.group_size, sample)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, summary: dict[str, str] | None = None) -> int:
+    """CLI entry; ``summary`` (when given) receives a one-line result under ``"serve"``."""
     parser = argparse.ArgumentParser(prog="python -m kvarn.run_vllm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="model alias or local Hugging Face folder")
     parser.add_argument("--preset", default="kvarn_k4v2_g128", help="any kvarn preset name")
@@ -75,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"KV tokens (16-bit default, same memory): {r.default_tokens:,}")
     print(f"capacity gained: {r.ratio:.2f}x")
     print(f"sample: {r.sample!r}")
+    if summary is not None:
+        summary["serve"] = f"{r.preset}: {r.kv_tokens:,} KV tokens vs {r.default_tokens:,} 16-bit ({r.ratio:.2f}x)"
     return 0
 
 
