@@ -12,6 +12,7 @@ from kvarn.schemes import (
     get_scheme,
     list_presets,
     load_preset,
+    preset_problems,
     save_preset,
 )
 
@@ -30,6 +31,7 @@ __all__ = [
     "get_scheme",
     "list_presets",
     "load_preset",
+    "preset_problems",
     "quantize_tiles",
     "save_preset",
 ]

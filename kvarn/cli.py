@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvarn.schemes import PresetError, SchemeError, UnknownSchemeError, list_presets
+from kvarn.schemes import PresetError, SchemeError, UnknownSchemeError, list_presets, preset_problems
 from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
 
 
@@ -41,11 +41,21 @@ def preset_rows(head_dim: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _warn_bad_files() -> int:
+    """Print one warning per preset file that failed to load; returns how many."""
+    problems = preset_problems()
+    for p in problems:
+        print(f"kvarn: warning: skipped preset file: {p}", file=sys.stderr)
+    return len(problems)
+
+
 def _cmd_presets(args: argparse.Namespace) -> int:
     rows = preset_rows(args.head_dim)
+    bad = _warn_bad_files()
+    status = 1 if bad and args.strict else 0
     if args.json:
         print(json.dumps(rows, indent=2))
-        return 0
+        return status
     print(f"{'name':<28} {'K':>2} {'V':>2} {'group':>5} {'bits/elem':>9} {'vs fp16':>8}  source")
     for r in rows:
         print(
@@ -53,7 +63,9 @@ def _cmd_presets(args: argparse.Namespace) -> int:
             f"{r['bits_per_element']:>9.4f} {r['compression']:>7.2f}x  {r['source']}"
         )
     print(f"(head_dim {args.head_dim}; bits/element counts every scale, zero point and factor)")
-    return 0
+    if bad:
+        print(f"kvarn: {bad} preset file(s) failed to load and were skipped (see the warnings above)", file=sys.stderr)
+    return status
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list every known scheme with its size at a head_dim")
     p.add_argument("--head-dim", type=int, default=128, choices=ALLOWED_HEAD_DIMS, help="head dimension (default 128)")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    p.add_argument("--strict", action="store_true", help="exit with status 1 if any preset file fails to load")
     p.set_defaults(func=_cmd_presets)
     try:  # the accuracy harness adds `kvarn eval` when it is installed
         from kvarn.eval.cli import add_eval_parser

@@ -38,3 +38,21 @@ def test_console_script_bad_head_dim() -> None:
         [sys.executable, "-m", "kvarn.cli", "presets", "--head-dim", "96"], capture_output=True, text=True
     )
     assert r.returncode == 2 and "invalid choice: 96" in r.stderr
+
+
+def test_presets_warns_for_bad_files_and_strict_fails(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "my_k5.yaml").write_text(
+        "version: 1\nname: my_k5\nkey_bits: 5\nvalue_bits: 2\ngroup_size: 128\nrotation: hadamard\n"
+        "norm_iters: 8\nscale_dtype: fp16\nsink_tile: false\n"
+    )
+    (tmp_path / "junk.yaml").write_text("name: [unclosed\n")
+    monkeypatch.setenv("KVARN_PRESET_PATH", str(tmp_path))
+    assert main(["presets"]) == 0
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'my_k5.yaml'}: key_bits=5 is not allowed; allowed: 2, 3, 4, 8" in err
+    assert f"{tmp_path / 'junk.yaml'}: not valid YAML" in err
+    assert main(["presets", "--json", "--strict"]) == 1
+    assert "my_k5.yaml" in capsys.readouterr().err
+    (tmp_path / "my_k5.yaml").unlink()
+    (tmp_path / "junk.yaml").unlink()
+    assert main(["presets", "--strict"]) == 0

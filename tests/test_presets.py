@@ -16,6 +16,7 @@ from kvarn.schemes import (
     get_preset,
     list_presets,
     load_preset,
+    preset_problems,
     save_preset,
 )
 from kvarn.schemes.registry import bundled_preset_dir
@@ -120,3 +121,33 @@ def test_sink_tokens_field_is_optional_and_round_trips(tmp_path: Path) -> None:
     src.write_text(GOOD.replace("sink_tile: true", "sink_tile: false\nsink_tokens: 3"))
     with pytest.raises(PresetError, match="sink_tokens=3 is not allowed"):
         load_preset(src)
+
+
+def test_preset_problems_name_each_bad_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "good.yaml").write_text(GOOD)
+    (tmp_path / "my_k5.yaml").write_text(
+        GOOD.replace("name: my_preset", "name: my_k5").replace("key_bits: 3", "key_bits: 5")
+    )
+    (tmp_path / "broken.yml").write_text(
+        GOOD.replace("name: my_preset", "name: my_broken").replace("key_bits: 3", "key_bits: [3")
+    )
+    problems = preset_problems([tmp_path])
+    assert [p.path.name for p in problems] == ["broken.yml", "my_k5.yaml"]  # in file-name order
+    broken, k5 = problems
+    assert k5.names == ("my_k5",) and str(tmp_path / "my_k5.yaml") in str(k5)
+    assert "key_bits=5" in str(k5) and "allowed: 2, 3, 4, 8" in str(k5)
+    assert broken.names == ("my_broken", "broken") and "not valid YAML" in str(broken)
+    monkeypatch.setenv("KVARN_PRESET_PATH", str(tmp_path))
+    assert get_preset("my_preset").scheme.key_bits == 3  # the good file still loads
+    with pytest.raises(UnknownSchemeError) as e:
+        get_preset("my_k5")
+    msg = str(e.value)
+    assert "'my_k5' may be defined by a preset file that failed to load" in msg
+    assert "key_bits=5" in msg and "not valid YAML" not in msg  # only the file that may define it
+    with pytest.raises(UnknownSchemeError) as e:
+        get_preset("nothing_like_it")
+    assert "failed to load (skipped)" in str(e.value) and "my_k5.yaml" in str(e.value) and "broken.yml" in str(e.value)
+
+
+def test_no_problems_in_bundled_presets() -> None:
+    assert preset_problems([bundled_preset_dir()]) == []

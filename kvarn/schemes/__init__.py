@@ -3,10 +3,12 @@
 from kvarn.schemes.presets import Preset, PresetError, load_preset, preset_from_dict, preset_to_dict, save_preset
 from kvarn.schemes.registry import (
     BUILTINS,
+    PresetProblem,
     UnknownSchemeError,
     get_preset,
     get_scheme,
     list_presets,
+    preset_problems,
     search_path,
     user_preset_dir,
 )
@@ -27,6 +29,7 @@ __all__ = [
     "LayerOverride",
     "Preset",
     "PresetError",
+    "PresetProblem",
     "Scheme",
     "SchemeError",
     "UnknownSchemeError",
@@ -35,6 +38,7 @@ __all__ = [
     "list_presets",
     "load_preset",
     "preset_from_dict",
+    "preset_problems",
     "preset_to_dict",
     "save_preset",
     "search_path",

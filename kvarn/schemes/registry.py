@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvarn.schemes.presets import Preset, PresetError, load_preset
@@ -57,9 +59,41 @@ def search_path() -> list[Path]:
     return dirs
 
 
-def _scan(dirs: list[Path]) -> tuple[dict[str, Preset], list[str]]:
+@dataclass(frozen=True)
+class PresetProblem:
+    """A preset file in a preset directory that could not be loaded, so it defines no name.
+
+    Attributes:
+        path: the file.
+        message: the :class:`PresetError` message (file, field, value and allowed values; for
+            malformed YAML the parser's message).
+        names: names the file may have meant to define: its ``name:`` line if one can be read
+            from the raw text, and its file stem.
+    """
+
+    path: Path
+    message: str
+    names: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return self.message
+
+
+_RAW_NAME_RE = re.compile(r"^name:\s*['\"]?([A-Za-z0-9_.\-]+)", re.MULTILINE)
+
+
+def _problem(path: Path, err: PresetError) -> PresetProblem:
+    try:
+        raw = path.read_text(errors="replace")
+    except OSError:
+        raw = ""
+    names = [m[1] for m in _RAW_NAME_RE.finditer(raw)] + [path.stem]
+    return PresetProblem(path, str(err), tuple(dict.fromkeys(names)))
+
+
+def _scan(dirs: list[Path]) -> tuple[dict[str, Preset], list[PresetProblem]]:
     found: dict[str, Preset] = {}
-    broken: list[str] = []
+    broken: list[PresetProblem] = []
     for d in dirs:
         if not d.is_dir():
             continue
@@ -67,10 +101,24 @@ def _scan(dirs: list[Path]) -> tuple[dict[str, Preset], list[str]]:
             try:
                 p = load_preset(f)
             except PresetError as e:
-                broken.append(str(e))
+                broken.append(_problem(f, e))
                 continue
             found.setdefault(p.name, p)  # earlier directories win
     return found, broken
+
+
+def preset_problems(dirs: list[Path] | None = None) -> list[PresetProblem]:
+    """Every preset file in the preset directories that cannot be loaded (and is therefore skipped).
+
+    Args:
+        dirs: directories to scan; default :func:`search_path` (bundled ``presets/``,
+            ``KVARN_PRESET_PATH``, the user preset directory).
+
+    Example:
+        >>> for problem in preset_problems():  # doctest: +SKIP
+        ...     print("warning:", problem)
+    """
+    return _scan(search_path() if dirs is None else dirs)[1]
 
 
 def list_presets(dirs: list[Path] | None = None) -> list[Preset]:
@@ -109,9 +157,17 @@ def get_preset(name: str, dirs: list[Path] | None = None) -> Preset:
     msg = f"unknown kvarn scheme {name!r}{reason}. Known: {', '.join(valid)}"
     if close:
         msg += f". Did you mean {close[0]!r}?"
-    if broken:
-        msg += ". Unreadable preset files: " + "; ".join(broken)
-    raise UnknownSchemeError(msg)
+    raise UnknownSchemeError(msg + _broken_note(name, broken))
+
+
+def _broken_note(name: str, broken: list[PresetProblem]) -> str:
+    """The part of an unknown-name message about preset files that failed to load."""
+    if not broken:
+        return ""
+    suspects = [p for p in broken if name in p.names]
+    if suspects:
+        return f". {name!r} may be defined by a preset file that failed to load: " + "; ".join(map(str, suspects))
+    return ". Preset files that failed to load (skipped): " + "; ".join(map(str, broken))
 
 
 def get_scheme(name: str, dirs: list[Path] | None = None) -> Scheme:
