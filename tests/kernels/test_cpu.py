@@ -1,0 +1,191 @@
+"""CPU attention ops (kvarn.kernels.cpu) vs float64 attention over the reference-dequantized context.
+
+The CPU ops compute in float32: SQNR >= 60 dB against the oracle (they reach ~125 dB with float32
+queries; half-precision inputs are rounded the same way for the oracle).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvarn.kernels import KernelArgumentError, cpu
+from kvarn.schemes import Scheme
+
+from ._reference import PagedBatch, attention, paged_batch, sqnr_db
+
+MIN_SQNR_DB = 60.0
+
+
+def scheme(name: str, sink_tokens: int = 0) -> Scheme:
+    """A built-in or named scheme with an explicit ``sink_tokens`` (presets may change their default)."""
+    return dataclasses.replace(Scheme.from_name(name), sink_tokens=sink_tokens)
+
+
+@dataclasses.dataclass
+class Args:
+    """The staging arguments of one call: per sequence, or pools read by (permuted) slot ids."""
+
+    tail_k: torch.Tensor
+    tail_v: torch.Tensor
+    kwargs: dict[str, torch.Tensor | None]
+
+
+def staging(sc: Scheme, pb: PagedBatch, pooled: bool, seed: int = 0) -> Args:
+    """Per-sequence tails and sinks as :func:`paged_batch` makes them, or the same rows scattered
+    into pools with spare, garbage-filled slots at a random permutation of slot ids."""
+    sink_cap = sc.sink_tokens or sc.group_size
+    sink_k = None if pb.sink_k is None else pb.sink_k[:, :, :sink_cap]
+    sink_v = None if pb.sink_v is None else pb.sink_v[:, :, :sink_cap]
+    kw: dict[str, torch.Tensor | None] = {"sink_k": sink_k, "sink_v": sink_v, "sink_lens": pb.sink_lens}
+    if not pooled:
+        return Args(pb.tail_k, pb.tail_v, kw)
+    g = torch.Generator().manual_seed(seed)
+    bsz = pb.tail_k.shape[0]
+
+    def pool(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        p = torch.randn(bsz + 3, *rows.shape[1:], generator=g, dtype=rows.dtype) * 100  # never read
+        p[slots.long()] = rows
+        return p
+
+    tail_slot = torch.randperm(bsz + 3, generator=g)[:bsz].to(torch.int32)
+    args = Args(pool(pb.tail_k, tail_slot), pool(pb.tail_v, tail_slot), {**kw, "tail_slot": tail_slot})
+    if sink_k is not None and sink_v is not None:
+        sink_slot = torch.randperm(bsz + 3, generator=g)[:bsz].to(torch.int32)
+        args.kwargs.update(sink_k=pool(sink_k, sink_slot), sink_v=pool(sink_v, sink_slot), sink_slot=sink_slot)
+    return args
+
+
+def _decode_check(sc: Scheme, lens: list[int], hkv: int, group: int, d: int, pooled: bool, seed: int = 0) -> None:
+    pb = paged_batch(sc, lens, hkv, d, seed=seed)
+    a = staging(sc, pb, pooled, seed)
+    q = torch.randn(len(lens), hkv * group, d, generator=torch.Generator().manual_seed(seed))
+    out = cpu.decode_attention(
+        q, pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, **a.kwargs
+    )
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = torch.cat([attention(q[b : b + 1], pb.context_k[b], pb.context_v[b]) for b in range(len(lens))])
+    assert sqnr_db(ref, out) >= MIN_SQNR_DB
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k3v2_g32", "kvarn_k2v3_g32_rot-none_it0", "kvarn_k8v8_g32_rot-rh_s8"],
+)
+@pytest.mark.parametrize("pooled", [False, True])
+def test_decode_schemes_mixed_lengths(name: str, pooled: bool) -> None:
+    sc = scheme(name)
+    t = sc.group_size
+    # several tiles and a tail, exactly one tile with a full tail, tail only
+    _decode_check(sc, [3 * t + 5, 2 * t, 1], hkv=2, group=3, d=64, pooled=pooled)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 7])
+def test_decode_head_dims_and_gqa(d: int, group: int) -> None:
+    _decode_check(scheme("kvarn_k4v2_g32"), [2 * 32 + 17, 32, 9], hkv=2, group=group, d=d, pooled=True, seed=d + group)
+
+
+@pytest.mark.parametrize("tail", [1, 2, 31, 32])
+def test_decode_tail_lengths_up_to_a_full_tile(tail: int) -> None:
+    _decode_check(scheme("kvarn_k4v2_g32"), [2 * 32 + tail, tail], hkv=1, group=2, d=64, pooled=True, seed=tail)
+
+
+@pytest.mark.parametrize(
+    ("name", "sink_tokens"),
+    [
+        ("kvarn_k4v2_g32", 2),
+        ("kvarn_k3v2_g32_rot-rh_s8", 8),
+        ("kvarn_k2v4_g64_rot-none", 1),
+        ("kvarn_k4v2_g32_sink", 0),
+    ],
+)
+@pytest.mark.parametrize("pooled", [False, True])
+def test_decode_sinks_read_exact_rows(name: str, sink_tokens: int, pooled: bool) -> None:
+    sc = scheme(name, sink_tokens)
+    t = sc.group_size
+    # tiles and a tail; exactly one tile; tail only (copies ignored), shorter and longer than the sink
+    _decode_check(sc, [3 * t + 5, t, 1, 20], hkv=2, group=3, d=64, pooled=pooled)
+
+
+def test_decode_half_precision_and_out_buffer() -> None:
+    sc = scheme("kvarn_k4v2_g32", 2)
+    pb = paged_batch(sc, [3 * 32 + 4, 7], 2, 64)
+    for dtype in (torch.float16, torch.bfloat16):
+        a = staging(sc, dataclasses.replace(pb, tail_k=pb.tail_k.to(dtype), tail_v=pb.tail_v.to(dtype)), True)
+        a.kwargs.update(sink_k=a.kwargs["sink_k"].to(dtype), sink_v=a.kwargs["sink_v"].to(dtype))  # type: ignore[union-attr]
+        q = torch.randn(2, 4, 64).to(dtype)
+        out = torch.full((2, 4, 64), float("nan"), dtype=dtype)
+        got = cpu.decode_attention(
+            q, pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, out=out, **a.kwargs
+        )
+        assert got is out
+        ctx = [(k.clone(), v.clone()) for k, v in zip(pb.context_k, pb.context_v, strict=True)]
+        for b, (k, v) in enumerate(ctx):  # the oracle sees the unquantized rows rounded like the inputs
+            n = k.shape[1] - int(pb.tail_lens[b])
+            k[:, n:], v[:, n:] = k[:, n:].to(dtype).float(), v[:, n:].to(dtype).float()
+            k[:, :2], v[:, :2] = k[:, :2].to(dtype).float(), v[:, :2].to(dtype).float()
+        ref = torch.cat([attention(q[b : b + 1].float(), *ctx[b]) for b in range(2)])
+        assert sqnr_db(ref, out.float()) >= 40.0  # output rounding of half precision
+
+
+def test_decode_sequence_without_tokens_gets_zeros() -> None:
+    sc = scheme("kvarn_k4v2_g32")
+    pb = paged_batch(sc, [40, 5], 1, 64)
+    lens = torch.tensor([0, 5], dtype=torch.int32)
+    q = torch.randn(2, 2, 64)
+    tiles = torch.tensor([0, 0], dtype=torch.int32)
+    out = cpu.decode_attention(q, pb.cache, pb.block_table, tiles, pb.tail_k, pb.tail_v, lens, sc)
+    assert torch.equal(out[0], torch.zeros(2, 64))
+    assert sqnr_db(attention(q[1:], pb.tail_k[1, :, :5], pb.tail_v[1, :, :5]), out[1:]) >= MIN_SQNR_DB
+
+
+@pytest.mark.parametrize(
+    ("name", "sink_tokens"),
+    [("kvarn_k4v2_g32", 0), ("kvarn_k3v2_g32_rot-rh_s8", 4), ("kvarn_k4v2_g32_sink", 0), ("kvarn_k4v4_g64", 0)],
+)
+@pytest.mark.parametrize("pooled", [False, True])
+def test_prefill_chunks_after_context(name: str, sink_tokens: int, pooled: bool) -> None:
+    sc = scheme(name, sink_tokens)
+    t = sc.group_size
+    lens, q_lens = [2 * t + 5, t, 0, 3], [7, 1, 2 * t + 3, 0]
+    hkv, group, d = 2, 3, 64
+    pb = paged_batch(sc, lens, hkv, d, seed=5)
+    a = staging(sc, pb, pooled, seed=5)
+    g = torch.Generator().manual_seed(1)
+    total = sum(q_lens)
+    q = torch.randn(total, hkv * group, d, generator=g)
+    k, v = torch.randn(total, hkv, d, generator=g), torch.randn(total, hkv, d, generator=g)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    out = cpu.prefill_attention(
+        q, k, v, cu, pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, **a.kwargs
+    )
+    refs = []
+    for b in range(len(lens)):
+        s, e = int(cu[b]), int(cu[b + 1])
+        kk = torch.cat([pb.context_k[b], k[s:e].transpose(0, 1)], 1)
+        vv = torch.cat([pb.context_v[b], v[s:e].transpose(0, 1)], 1)
+        refs.append(attention(q[s:e], kk, vv, causal_offset=pb.context_k[b].shape[1]))
+    assert sqnr_db(torch.cat(refs), out) >= MIN_SQNR_DB
+
+
+def test_arguments_are_checked_with_names() -> None:
+    sc = scheme("kvarn_k4v2_g32")
+    pb = paged_batch(sc, [40], 1, 64)
+    q = torch.randn(1, 2, 64)
+    base = (pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens)
+    with pytest.raises(KernelArgumentError, match="query"):
+        cpu.decode_attention(q[0], *base, sc)
+    with pytest.raises(KernelArgumentError, match="multiple of num_kv_heads"):
+        cpu.decode_attention(torch.randn(1, 3, 64), pb.cache.expand(-1, 2, -1).contiguous(), *base[1:], sc)
+    with pytest.raises(KernelArgumentError, match="tail_slot must hold indices in 0..0"):
+        cpu.decode_attention(q, *base, sc, tail_slot=torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(KernelArgumentError, match="pass sink_k, sink_v and sink_lens"):
+        cpu.decode_attention(q, *base, scheme("kvarn_k4v2_g32", 2))
+    with pytest.raises(KernelArgumentError, match="block_table"):
+        cpu.decode_attention(q, pb.cache, pb.block_table.long(), *base[2:], sc)
+    with pytest.raises(KernelArgumentError, match="cu_seqlens_q must rise from 0 to 3"):
+        cu = torch.tensor([0, 2], dtype=torch.int32)
+        cpu.prefill_attention(torch.randn(3, 2, 64), torch.randn(3, 1, 64), torch.randn(3, 1, 64), cu, *base, sc)
