@@ -37,6 +37,52 @@ ALIASES: dict[str, ModelAlias] = {
 }
 
 
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The torch dtype for ``float32``, ``bfloat16`` or ``float16`` (a torch dtype passes through).
+
+    Raises:
+        ValueError: any other name; the message lists the allowed ones.
+    """
+    if isinstance(name, torch.dtype):
+        if name in DTYPES.values():
+            return name
+        raise ValueError(f"dtype={name} is not supported; allowed: {', '.join(DTYPES)}")
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported; allowed: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def parse_device(name: str | torch.device) -> torch.device:
+    """The torch device for ``cpu``, ``cuda`` or ``cuda:<index>``, checked against this machine.
+
+    Raises:
+        ValueError: an unknown device (the message lists the allowed ones), or ``cuda`` asked for where
+            torch sees no CUDA device (the message says so and how to run instead).
+    """
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={name!r} is not supported; allowed: {', '.join(DEVICES)}") from None
+    if dev.type not in DEVICES:
+        raise ValueError(f"device={name!r} is not supported; allowed: {', '.join(DEVICES)}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={str(name)!r}: this torch ({torch.__version__}) sees no CUDA device; use device 'cpu' "
+                "or install a CUDA build of torch on a machine with an NVIDIA GPU"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device={str(name)!r}: only {torch.cuda.device_count()} CUDA device(s) "
+                f"(cuda:0..cuda:{torch.cuda.device_count() - 1})"
+            )
+    return dev
+
+
 class ModelNotFoundError(FileNotFoundError):
     """The model could not be found or loaded; the message says what was looked for and how to get it."""
 
@@ -141,15 +187,34 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
     )
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, cache_dir: Path | None = None) -> tuple[Any, Any]:
-    """Load ``(model, tokenizer)`` for transformers, in eval mode, on CPU."""
+def load_model(
+    name_or_path: str,
+    dtype: str | torch.dtype = torch.float32,
+    cache_dir: Path | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` for transformers, in eval mode, on ``device`` in ``dtype``.
+
+    Args:
+        name_or_path: a model alias (``smollm2-135m``) or a local Hugging Face folder.
+        dtype: ``float32`` (default), ``bfloat16`` or ``float16`` (or the torch dtype).
+        cache_dir: where converted aliases live (default :func:`default_cache_dir`).
+        device: ``cpu`` (default), ``cuda`` or ``cuda:<index>``.
+
+    Raises:
+        ValueError: an unsupported dtype or device, or CUDA asked for without CUDA (before any loading).
+        ModelNotFoundError: the model cannot be found or loaded.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    torch_dtype, torch_device = parse_dtype(dtype), parse_device(device)
     folder = resolve_model(name_or_path, cache_dir)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
         tok = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
         raise ModelNotFoundError(f"could not load the model in {folder}: {e}") from e
+    if torch_device.type != "cpu":
+        model.to(torch_device)  # type: ignore[arg-type]  # transformers types .to() oddly
     model.eval()  # type: ignore[no-untyped-call]
     return model, tok

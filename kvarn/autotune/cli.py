@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--confirm", type=int, default=3, help="candidates tried on held-out text, fewest bits first")
     p.add_argument("--compare", default="", help="comma list of presets/baselines to measure for the plot")
     p.add_argument("--cache-dir", type=Path, help="sensitivity cache (default <kvarn cache>/sensitivity)")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda or cuda:<n>")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="model weights and activations (default float32); the reference cache runs in the same dtype",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -116,6 +123,12 @@ def _config(args: argparse.Namespace) -> TuneConfig | str:
         return f"--sinks {args.sinks!r}: a comma list of {', '.join(SINK_CHOICES)}"
     if args.context is not None and args.context < 1:
         return f"--context {args.context} must be >= 1 token"
+    from kvarn.models import parse_device
+
+    try:
+        parse_device(args.device)
+    except ValueError as e:
+        return f"--device: {e}"
     text = None
     if args.text is not None:
         try:
@@ -149,6 +162,8 @@ def _config(args: argparse.Namespace) -> TuneConfig | str:
         confirm=args.confirm,
         compare=tuple(n.strip() for n in args.compare.split(",") if n.strip()),
         progress=not args.quiet,
+        device=args.device,
+        dtype=args.dtype,
     )
 
 

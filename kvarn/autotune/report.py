@@ -45,6 +45,8 @@ def provenance(res: TuneResult, c: Candidate, text_source: str) -> dict[str, Any
         "holdout_fraction": res.config["holdout"],
         "split": res.config.get("split", "contiguous"),
         "bits_context": res.config.get("bits_context"),
+        "device": res.config.get("device", "cpu"),
+        "dtype": res.config.get("dtype", "float32"),
         "budget": res.config["budget"]["text"],
         "metric": res.config["budget"]["metric"],
         "limit": res.config["budget"]["limit"],

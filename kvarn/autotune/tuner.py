@@ -66,6 +66,8 @@ class TuneConfig:
     compare: tuple[str, ...] = ()  # presets / baselines measured on held-out text for the plot
     chunk: int = 128
     progress: bool = True
+    device: str = "cpu"  # where the model runs: cpu, cuda, cuda:<n>
+    dtype: str = "float32"  # the model's dtype: float32, bfloat16, float16
 
     @property
     def bits_context(self) -> int:
@@ -178,7 +180,14 @@ def harness_factory(config: TuneConfig) -> EvaluatorFactory:
     def make(text: str) -> EvaluatorLike:
         from kvarn.eval.harness import Evaluator
 
-        ev: EvaluatorLike = Evaluator(config.model, text=text, tokens=config.tokens, chunk=config.chunk)
+        ev: EvaluatorLike = Evaluator(
+            config.model,
+            text=text,
+            tokens=config.tokens,
+            chunk=config.chunk,
+            device=config.device,
+            dtype=config.dtype,
+        )
         return ev
 
     return make
@@ -441,6 +450,8 @@ def _finish(
         "allow_fp16_layers": space.allow_fp16_layers,
         "bits_context": config.bits_context,
         "prune_tokens": config.resolved_prune_tokens(),
+        "device": config.device,
+        "dtype": config.dtype,
     }
     res = TuneResult(
         cfg, None, [], front, None, _trial_rows(trials, budget), [], sens, list(space.ranking), study_name,

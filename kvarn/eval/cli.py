@@ -15,6 +15,7 @@ import torch
 from kvarn.eval.harness import EvalResult, Evaluator
 from kvarn.eval.report import format_table, plot_pareto, write_json
 from kvarn.hf import FP16, baselines, resolve_spec
+from kvarn.models import DEVICES, DTYPES, parse_device
 from kvarn.schemes import BUILTINS
 
 GROUPS = ("all", "kvarn", "baselines")
@@ -77,6 +78,15 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, help="write one JSON object per scheme to this file")
     p.add_argument("--plot", type=Path, help="write the Pareto plot (bits/element vs KL) to this PNG")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument(
+        "--device", default="cpu", help=f"where the model runs: {', '.join(DEVICES)} or cuda:<n> (default cpu)"
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=tuple(DTYPES),
+        help="model weights and activations (default float32); the fp16 reference runs in the same dtype",
+    )
     p.add_argument("--threads", type=_positive("--threads", 0), default=0, help="torch CPU threads (0: default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run_eval)
@@ -88,6 +98,7 @@ def run_eval(args: argparse.Namespace) -> int:
     names = expand_schemes(args.schemes)
     for n in names:
         resolve_spec(n)  # unknown names fail before the model loads
+    parse_device(args.device)  # so does cuda without CUDA
     text = None
     if args.text is not None:
         if not args.text.is_file():
@@ -95,7 +106,15 @@ def run_eval(args: argparse.Namespace) -> int:
         text = args.text.read_text(encoding="utf-8")
     if args.threads:
         torch.set_num_threads(args.threads)
-    ev = Evaluator(args.model, text, tokens=args.tokens, chunk=args.chunk, greedy_tokens=args.greedy_tokens)
+    ev = Evaluator(
+        args.model,
+        text,
+        tokens=args.tokens,
+        chunk=args.chunk,
+        greedy_tokens=args.greedy_tokens,
+        device=args.device,
+        dtype=args.dtype,
+    )
     if ev.tokens < args.tokens:
         print(f"kvarn eval: note: the text has only {ev.tokens} tokens; evaluating all of them", file=sys.stderr)
     meta = {
@@ -104,6 +123,8 @@ def run_eval(args: argparse.Namespace) -> int:
         "text_sha256": ev.text_sha256,
         "chunk": args.chunk,
         "greedy_tokens": args.greedy_tokens,
+        "device": args.device,
+        "dtype": args.dtype,
     }
     done: list[EvalResult] = []
 
@@ -113,7 +134,10 @@ def run_eval(args: argparse.Namespace) -> int:
             write_json(done, args.json, meta)
 
     results = ev.evaluate_all(names, progress=not args.no_progress, on_result=save)
-    print(f"{args.model}, {ev.tokens} tokens, chunk {args.chunk}, greedy {args.greedy_tokens} (decode mode)")
+    print(
+        f"{args.model}, {ev.tokens} tokens, chunk {args.chunk}, greedy {args.greedy_tokens} (decode mode; "
+        f"{args.dtype} on {args.device})"
+    )
     print(format_table(results, markdown=args.markdown))
     if args.plot:
         plot_pareto(results, args.plot, title=f"{args.model}, {ev.tokens} tokens, decode mode (chunk {args.chunk})")

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from kvarn.eval.metrics import MetricSums, leading_matches, nll
 from kvarn.hf import FP16, KVarNCache, model_geometry, resolve_spec
 from kvarn.hf.spec import BaselineLike, Spec
-from kvarn.models import load_model
+from kvarn.models import load_model, parse_device, parse_dtype
 from kvarn.schemes import Scheme
 
 
@@ -58,9 +58,9 @@ def default_text() -> str:
 
 
 @functools.lru_cache(maxsize=2)
-def _loaded(model: str) -> tuple[Any, Any]:
+def _loaded(model: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
     """Load a model once per process (tests and the tuner build several evaluators)."""
-    return load_model(model)
+    return load_model(model, dtype=dtype, device=device)
 
 
 @dataclass
@@ -84,10 +84,14 @@ class Evaluator:
         greedy_tokens: length of the greedy continuation compared with fp16's (0: none).
         quantize_before_read: chunks read their own tokens quantized once committed (see
             :mod:`kvarn.hf.layers`); default: as computed, later chunks read them as stored.
+        device: where the model and its caches run: ``cpu`` (default), ``cuda`` or ``cuda:<n>``.
+            Log-probabilities are compared on the CPU, in float32, whatever the device.
+        dtype: the model's weights and activations: ``float32`` (default), ``bfloat16``, ``float16``.
+            The reference is the same model in the same dtype with an unquantized cache.
 
     Raises:
-        ValueError: a non-positive ``chunk`` or ``tokens``, a negative ``greedy_tokens``, or a text
-            of fewer than 2 tokens.
+        ValueError: a non-positive ``chunk`` or ``tokens``, a negative ``greedy_tokens``, a text
+            of fewer than 2 tokens, an unknown device or dtype, or ``cuda`` without a CUDA device.
         ModelNotFoundError: the model cannot be found or loaded.
     """
 
@@ -100,6 +104,8 @@ class Evaluator:
         greedy_tokens: int = 256,
         *,
         quantize_before_read: bool = False,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
     ) -> None:
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk={chunk!r}: the chunk size must be a positive number of tokens (e.g. 128)")
@@ -111,10 +117,11 @@ class Evaluator:
         self.chunk = chunk
         self.quantize_before_read = quantize_before_read
         self.greedy_tokens = greedy_tokens
-        self.model, self.tokenizer = _loaded(model)
+        self.device, self.dtype = parse_device(device), parse_dtype(dtype)
+        self.model, self.tokenizer = _loaded(model, self.device, self.dtype)
         text = default_text() if text is None else text
         self.text_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
-        self.ids: torch.Tensor = self.tokenizer(text, return_tensors="pt").input_ids[:, :tokens]  # [1, n] int64
+        self.ids: torch.Tensor = self.tokenizer(text, return_tensors="pt").input_ids[:, :tokens]  # [1, n] int64, CPU
         self.tokens = int(self.ids.shape[1])
         if self.tokens < 2:
             raise ValueError(f"the text has {self.tokens} token(s); at least 2 are needed to score anything")
@@ -159,12 +166,12 @@ class Evaluator:
     # ---- running the model -----------------------------------------------------------------------
     @torch.inference_mode()
     def _chunks(self, cache: KVarNCache, n: int, bar: Any) -> Iterator[tuple[int, torch.Tensor]]:
-        """Feed the first ``n`` tokens in chunks; yield ``(start, log-probs [L, vocab] float32)``."""
+        """Feed the first ``n`` tokens in chunks; yield ``(start, log-probs [L, vocab] float32 on CPU)``."""
         for start in range(0, n, self.chunk):
-            ids = self.ids[:, start : min(n, start + self.chunk)]
+            ids = self.ids[:, start : min(n, start + self.chunk)].to(self.device)
             logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
             bar.update(1)
-            yield start, logits[0].float().log_softmax(-1)
+            yield start, logits[0].float().log_softmax(-1).cpu()
 
     @torch.inference_mode()
     def _greedy(
@@ -178,7 +185,8 @@ class Evaluator:
             bar.update(1)
             if (ref is not None and nxt != ref[i]) or i + 1 == steps:
                 break
-            logits = self.model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True).logits
+            ids = torch.tensor([[nxt]], device=self.device)
+            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
             nxt = int(logits[0, -1].argmax())
         return out
 

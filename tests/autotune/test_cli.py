@@ -32,6 +32,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeFactory:
         (["--budget", "1%", "--group-sizes", "48"], "allowed 32, 64, 128, 256"),
         (["--budget", "1%", "--text", "/nonexistent/file.txt"], "--text"),
         (["--budget", "1%", "--model", "/nonexistent/model"], "neither a built-in alias"),
+        (["--budget", "1%", "--device", "tpu"], "device='tpu' is not supported; allowed: cpu, cuda"),
     ],
 )
 def test_bad_arguments(args: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -85,3 +86,26 @@ def test_json_and_unreachable_budget(tmp_path: Path, fake: FakeFactory, capsys: 
     assert data["closest"]["scheme"].startswith("kvarn_")
     assert "unreachable" in captured.err and "closest trade-off" in captured.err
     assert not list((tmp_path / "presets").glob("*.yaml"))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_cuda_fails_before_searching(fake: FakeFactory, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--budget", "1%", "--device", "cuda"]) == 1
+    assert "sees no CUDA device" in capsys.readouterr().err
+    assert fake.made == []
+
+
+def test_device_and_dtype_reach_the_evaluators_and_provenance(
+    tmp_path: Path, fake: FakeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[str, str]] = []
+
+    def spy(config: tuner.TuneConfig) -> FakeFactory:
+        seen.append((config.device, config.dtype))
+        return fake
+
+    monkeypatch.setattr(tuner, "harness_factory", spy)
+    assert cli.main(_run(tmp_path, "--name", "bf16_tuned", "--dtype", "bfloat16")) == 0
+    assert seen == [("cpu", "bfloat16")]
+    prov = get_preset(str(tmp_path / "presets" / "bf16_tuned.yaml")).provenance
+    assert (prov["device"], prov["dtype"]) == ("cpu", "bfloat16")

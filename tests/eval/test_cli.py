@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvarn.cli import main
 from kvarn.eval.cli import expand_schemes
@@ -62,3 +64,36 @@ def test_scheme_groups() -> None:
     assert expand_schemes("kvarn,kvarn_k4v2_g128,fp16") == [*BUILTINS, "fp16"]
     with pytest.raises(ValueError, match="names no scheme"):
         expand_schemes(" , ")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--device", "tpu"], "device='tpu' is not supported; allowed: cpu, cuda"),
+        (["--dtype", "float64"], "invalid choice: 'float64'"),
+    ],
+)
+def test_bad_device_or_dtype_names_the_value(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) if "--dtype" in extra else contextlib.nullcontext():
+        assert main(["eval", "--schemes", "fp16", "--no-progress", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_cuda_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["eval", "--schemes", "fp16", "--device", "cuda", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "device='cuda'" in err and "sees no CUDA device" in err
+
+
+def test_bfloat16_on_cpu_measures_against_a_bfloat16_reference(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    args = ["eval", "--schemes", "fp16,kvarn_k4v4_g64", "--tokens", "192", "--chunk", "64", "--greedy-tokens", "0"]
+    assert main([*args, "--dtype", "bfloat16", "--json", str(out), "--no-progress"]) == 0
+    fp16, k4v4 = json.loads(out.read_text())
+    assert fp16["dtype"] == k4v4["dtype"] == "bfloat16" and fp16["device"] == "cpu"
+    # the reference runs in bfloat16 too: its own KL is exactly 0, a quantized cache's is small but not 0
+    assert fp16["kl"] == 0.0 and 0.0 < k4v4["kl"] < 0.2
+    assert 5.0 < fp16["ppl"] < 200.0
