@@ -7,13 +7,15 @@ more than once, so it is idempotent). It
    ``KVARN_PRESET_PATH`` and the user preset folder, scanned at start-up; plus canonical names
    such as ``kvarn_k4v2_g128_sink1`` that the front end resolved, passed to the processes it
    spawns in ``KVARN_RESOLVED_DTYPES``) as a KV-cache dtype:
-   vLLM 0.33's ``register_kv_cache_dtype`` when present; on vLLM 0.32 by extending the closed
-   ``CacheDType`` Literal (every module that bound it), rebuilding the pydantic ``CacheConfig``,
-   clearing the cached argparse kwargs, and mapping the name to ``torch.uint8`` storage;
+   through :mod:`kvarn.vllm.compat` (vLLM 0.33's handler API, or vLLM 0.32's ``CacheDType`` Literal);
 2. routes attention to :class:`kvarn.vllm.backend.KvarnAttentionBackend` whenever the KV-cache
    dtype is a kvarn name, by wrapping the platform's ``get_attn_backend_cls``; any other dtype
    gets exactly what the platform chose before;
-3. makes an unknown ``kvarn_*`` name fail early, listing the known presets.
+3. resolves every other name with one function, :func:`resolve_dtype`, in ``EngineArgs`` (``LLM()``)
+   and as the type of the ``--kv-cache-dtype`` CLI option (``vllm serve``): any name
+   :func:`kvarn.schemes.get_preset` accepts, canonical names such as ``kvarn_k4v2_g128_sink1``
+   included, is registered on the spot; a name that resolves to nothing, or names a broken preset
+   file, fails early with kvarn's message (file, field, value, allowed values) and vLLM's own dtypes.
 
 Usage::
 
@@ -23,16 +25,15 @@ Usage::
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
-import sys
-import typing
-from dataclasses import replace
 from typing import Any
 
 import torch
 
-from kvarn.schemes import UnknownSchemeError, get_preset, list_presets
+from kvarn.schemes import PresetError, UnknownSchemeError, get_preset, list_presets
+from kvarn.vllm import compat
 
 logger = logging.getLogger("kvarn.vllm")
 
@@ -102,69 +103,78 @@ def known_names() -> list[str]:
     return [p.name for p in list_presets()]
 
 
-def _extend_literal(names: list[str]) -> None:
-    """vLLM <= 0.32: add ``names`` to the closed ``CacheDType`` Literal and rebuild what cached it."""
-    from pydantic.dataclasses import rebuild_dataclass
-    from vllm.config import cache as cache_mod
-    from vllm.utils import torch_utils
-
-    old = cache_mod.CacheDType
-    current = typing.get_args(old)
-    missing = [n for n in names if n not in current]
-    for n in names:
-        torch_utils.STR_DTYPE_TO_TORCH_DTYPE.setdefault(n, torch.uint8)
-    if not missing:
-        return
-    new = typing.Literal[(*current, *missing)]  # type: ignore[valid-type]
-    for mod in list(sys.modules.values()):  # every module that did `from ... import CacheDType`
-        if getattr(mod, "__name__", "").startswith("vllm") and getattr(mod, "CacheDType", None) is old:
-            mod.CacheDType = new
-    cls = cache_mod.CacheConfig
-    cls.__annotations__["cache_dtype"] = new
-    if "cache_dtype" in getattr(cls, "__dataclass_fields__", {}):
-        cls.__dataclass_fields__["cache_dtype"].type = new
-    rebuild_dataclass(cls, force=True)
-    from vllm.engine import arg_utils
-
-    arg_utils.EngineArgs.__annotations__["kv_cache_dtype"] = new
-    if "kv_cache_dtype" in arg_utils.EngineArgs.__dataclass_fields__:
-        arg_utils.EngineArgs.__dataclass_fields__["kv_cache_dtype"].type = new
-    arg_utils._compute_kwargs.cache_clear()
-
-
 def register_dtypes(names: list[str]) -> None:
     """Make each of ``names`` a valid ``kv_cache_dtype`` (packed bytes, stored as ``uint8``)."""
-    todo = [n for n in names if n not in _REGISTERED]
-    if not todo:
+    compat.register(names)
+    _REGISTERED.update(names)
+
+
+def resolve_dtype(name: str) -> str:
+    """The one resolver for ``kv_cache_dtype`` values: vLLM's own pass, kvarn's are registered.
+
+    A name :func:`kvarn.schemes.get_preset` resolves (built-in, preset file or ``name:``, canonical
+    scheme name) is registered as given and as its preset's name, and exported in
+    ``KVARN_RESOLVED_DTYPES`` for the processes vLLM spawns.
+
+    Raises:
+        UnknownSchemeError: neither vLLM's nor kvarn's; lists both (and broken preset files that
+            may define the name).
+        PresetError: the name is a preset file that cannot be loaded.
+    """
+    if name in _REGISTERED or name in compat.vllm_dtypes():
+        return name
+    try:
+        preset = get_preset(name)
+    except UnknownSchemeError as e:
+        msg = str(e).rstrip(".")
+        raise UnknownSchemeError(
+            f"{msg}{' ' if msg.endswith('?') else '. '}vLLM's own kv-cache dtypes: {', '.join(compat.vllm_dtypes())}"
+        ) from None
+    register_dtypes(list(dict.fromkeys([name, preset.name])))
+    resolved = [n for n in os.environ.get(RESOLVED_ENV, "").split(",") if n]
+    if name not in resolved:
+        os.environ[RESOLVED_ENV] = ",".join([*resolved, name])
+    return name
+
+
+def _cli_dtype(value: str) -> str:
+    """``--kv-cache-dtype``'s argparse type: :func:`resolve_dtype`, its errors as argparse errors."""
+    try:
+        return resolve_dtype(value)
+    except (UnknownSchemeError, PresetError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _patch_cli() -> None:
+    """``--kv-cache-dtype`` takes any name :func:`resolve_dtype` accepts (vLLM 0.32 made it a closed
+    choice from the Literal, fixed when the parser was built; 0.33 takes any string)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs, "_kvarn_cli", False):
         return
-    hook = _find_register_hook()
-    if hook is not None:  # vLLM >= 0.33
-        for n in todo:
-            hook(n, torch.uint8)
-    else:
-        _extend_literal(todo)
-    _REGISTERED.update(todo)
+    original = EngineArgs.add_cli_args
+
+    def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
+        parser = original(parser, *args, **kwargs)
+        for action in parser._actions:
+            if "--kv-cache-dtype" in action.option_strings:
+                action.type, action.choices = _cli_dtype, None
+                action.metavar = "{" + ",".join([*compat.vllm_dtypes(), "<kvarn preset or scheme name>"]) + "}"
+        return parser
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
+    EngineArgs._kvarn_cli = True  # type: ignore[attr-defined]
 
 
-def _find_register_hook() -> Any:
-    """vLLM 0.33's ``register_kv_cache_dtype`` if this vLLM has it (looked up where 0.33 puts it)."""
-    import importlib
+def _patch_platform(cls: Any = None) -> None:
+    """Route attention to the kvarn backend while a kvarn dtype is active; nothing else changes.
 
-    for mod_name in ("vllm.config.cache", "vllm.utils.torch_utils", "vllm.config"):
-        try:
-            hook = getattr(importlib.import_module(mod_name), "register_kv_cache_dtype", None)
-        except ImportError:  # pragma: no cover - module layout differs
-            hook = None
-        if hook is not None:
-            return hook
-    return None
+    ``cls``: the platform class to patch; default the current platform's.
+    """
+    if cls is None:
+        from vllm.platforms import current_platform
 
-
-def _patch_platform() -> None:
-    """Route attention to the kvarn backend while a kvarn dtype is active; nothing else changes."""
-    from vllm.platforms import current_platform
-
-    cls = type(current_platform)
+        cls = type(current_platform)
     key = f"{cls.__module__}.{cls.__qualname__}"
     if key in _PATCHED:
         return
@@ -183,7 +193,7 @@ def _patch_platform() -> None:
             raise ValueError(f"kv_cache_dtype={name!r}: sparse attention is not supported by kvarn")
         return BACKEND_PATH
 
-    cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)  # type: ignore[method-assign,assignment]
+    cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
     _PATCHED.add(key)
 
 
@@ -207,12 +217,6 @@ def check_model(name: str, vllm_config: Any) -> None:
             f"kv_cache_dtype={name!r} needs block_size={scheme.group_size} (one vLLM block = one tile), "
             f"got block_size={block}; pass block_size={scheme.group_size} (--block-size {scheme.group_size}) "
             "or leave it unset"
-        )
-    if scheme.sink_tile:
-        raise ValueError(
-            f"kv_cache_dtype={name!r}: sink_tile presets (first tile kept unquantized) are not served by the "
-            f"vLLM backend yet; use {replace(scheme, sink_tile=False, sink_tokens=1).name} (the first token "
-            "kept exactly, tiles unchanged) or the same preset without _sink"
         )
     if model is None:
         return
@@ -239,7 +243,8 @@ def check_model(name: str, vllm_config: Any) -> None:
 def _patch_engine_args() -> None:
     """Fail in the front end, before any engine process starts: unknown names and unsupported models.
 
-    An unknown ``kvarn_*`` name raises :class:`UnknownSchemeError` listing the known presets; an
+    Every ``kv_cache_dtype`` goes through :func:`resolve_dtype` (an unknown name raises
+    :class:`UnknownSchemeError` listing kvarn's presets and vLLM's dtypes); for a kvarn name an
     unset block size becomes the scheme's tile size.
     """
     from vllm.engine.arg_utils import EngineArgs
@@ -251,18 +256,12 @@ def _patch_engine_args() -> None:
 
     def resolve(self: Any) -> None:
         name = getattr(self, "kv_cache_dtype", None)
-        if is_kvarn_dtype(name):
-            preset = get_preset(name)  # raises UnknownSchemeError listing the known names
-            register_dtypes([preset.name])  # canonical names not scanned at start-up
-            resolved = os.environ.get(RESOLVED_ENV, "").split(",")
-            if preset.name not in resolved:  # ... nor by the processes vLLM spawns
-                os.environ[RESOLVED_ENV] = ",".join([n for n in resolved if n] + [preset.name])
-            if self.block_size is None:
-                self.block_size = preset.scheme.group_size
+        if isinstance(name, str) and is_kvarn_dtype(resolve_dtype(name)) and self.block_size is None:
+            self.block_size = get_preset(name).scheme.group_size
 
     def __post_init__(self: Any) -> None:
         resolve(self)
-        post_init(self)
+        post_init(self)  # type: ignore[no-untyped-call]
 
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         resolve(self)  # again: vLLM loads plugins inside the first EngineArgs.__post_init__
@@ -295,8 +294,17 @@ def register() -> None:
     _register_backend()
     _patch_platform()
     _patch_engine_args()
+    _patch_cli()
     _patch_model_runner()
     logger.debug("kvarn: registered %d KV-cache dtypes: %s", len(names), ", ".join(names))
 
 
-__all__ = ["BACKEND_PATH", "UnknownSchemeError", "is_kvarn_dtype", "known_names", "register", "register_dtypes"]
+__all__ = [
+    "BACKEND_PATH",
+    "UnknownSchemeError",
+    "is_kvarn_dtype",
+    "known_names",
+    "register",
+    "register_dtypes",
+    "resolve_dtype",
+]
