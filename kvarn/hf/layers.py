@@ -18,6 +18,14 @@ tokens from registers) and how a decode step treats its own token; every spec ge
 treatment. ``quantize_before_read=True`` instead commits first, so a chunk reads its own tokens
 quantized once their tile is full (a server that writes the cache and then attends over all of
 it); measured for comparison in docs/accuracy.md.
+
+A sliding-window layer (``sliding_window=W``: a query at position ``p`` reads keys ``p-W+1..p``)
+holds only what a later query can read, as transformers' ``DynamicSlidingWindowLayer`` does.
+Unquantized, it keeps the last ``W-1`` tokens after each update, exactly like transformers. With a
+committer, whole committed tiles (or commit groups) are dropped once every one of their tokens has
+left the window, as a server frees the blocks behind a window; the attention mask hides the
+tokens of a kept tile that are already outside it. :meth:`KVarNLayer.get_mask_sizes` reports the
+absolute position of the first key returned (``kv_offset``), so the mask lines up.
 """
 
 from __future__ import annotations
@@ -27,78 +35,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvarn.codec import dequantize_tiles, quantize_tiles
-from kvarn.hf.spec import BaselineLike
-from kvarn.schemes import Scheme
+from kvarn.hf.committers import BaselineCommitter, Committer, TileCommitter
 
-
-class TileCommitter:
-    """Commits whole tiles of a kvarn :class:`Scheme` as packed records (real uint8 bytes).
-
-    ``records``: ``[batch, kv_heads, tiles, tile_bytes]`` uint8, in token order.
-    """
-
-    def __init__(self, scheme: Scheme, head_dim: int) -> None:
-        self.scheme = scheme
-        self.head_dim = head_dim
-        self.commit_tokens = scheme.group_size
-        self.window = 0
-        self.tile_bytes = scheme.tile_bytes(head_dim)
-        self.records: torch.Tensor | None = None
-
-    def commit(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``[B, H, n*G, D]`` keys/values as ``n`` tiles per head; return what they decode to."""
-        b, h, s, d = k.shape
-        g = self.commit_tokens
-        n = s // g
-        kt = k.reshape(b * h * n, g, d)  # [B, H, n*G, D] -> [B*H*n, G, D]: tiles in token order
-        vt = v.reshape(b * h * n, g, d)
-        rec = quantize_tiles(kt, vt, self.scheme)
-        new = rec.view(b, h, n, self.tile_bytes)
-        self.records = new if self.records is None else torch.cat([self.records, new], dim=2)
-        kd, vd = dequantize_tiles(rec, self.scheme, d, dtype=k.dtype)
-        return kd.view(b, h, s, d), vd.view(b, h, s, d)
-
-    def quantized_bytes(self) -> float:
-        """Bytes of the stored records."""
-        return 0.0 if self.records is None else float(self.records.numel())
-
-    def reset(self) -> None:
-        self.records = None
-
-
-class BaselineCommitter:
-    """Commits ``commit_tokens`` tokens at a time through a baseline's fake quantization."""
-
-    def __init__(self, baseline: BaselineLike, head_dim: int) -> None:
-        self.baseline = baseline
-        self.head_dim = head_dim
-        self.commit_tokens = int(baseline.commit_tokens)
-        self.window = int(baseline.window)
-        self.bits = float(baseline.bits_per_element(head_dim))
-        self.state: dict[str, Any] = {}
-        self.committed_elements = 0  # keys and values together
-
-    def commit(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Round-trip ``[B, H, n*c, D]`` keys/values (all due groups in one call, oldest first).
-
-        One call per update, not one per group: a baseline's state is set by the first batch it
-        sees, as vLLM's ``calculate_kv_scales`` sets the fp8 scales from the first forward pass.
-        """
-        kq, vq = self.baseline.roundtrip(k.float(), v.float(), self.state)
-        self.committed_elements += 2 * k.numel()
-        return kq.to(k.dtype), vq.to(v.dtype)
-
-    def quantized_bytes(self) -> float:
-        """Bytes a server would hold for the committed tokens, at the baseline's honest bits/element."""
-        return self.committed_elements * self.bits / 8.0
-
-    def reset(self) -> None:
-        self.state = {}
-        self.committed_elements = 0
-
-
-Committer = TileCommitter | BaselineCommitter
+__all__ = ["BaselineCommitter", "Committer", "KVarNLayer", "TileCommitter"]
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -115,9 +54,16 @@ class KVarNLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         quantize_before_read: commit before returning (see the module docstring).
         exact_tokens: the first ``exact_tokens`` tokens are also kept exactly and read in place of
             their committed values (a scheme's ``sink_tokens``).
+        sliding_window: the layer's window ``W`` (a sliding-window layer), or None (full attention).
+        drop_unit: tokens are dropped behind the window in multiples of this (default: the
+            committer's ``commit_tokens``, else 1). Every sliding layer of a cache must drop alike:
+            transformers builds one sliding-window mask from the first sliding layer's sizes.
+
+    Raises:
+        ValueError: both kinds of sink; a sink on a sliding-window layer; a window below 1 token;
+            a committer whose uncommitted tokens could outlast the window (baseline window >= W).
     """
 
-    is_sliding = False
     is_croppable = False
 
     def __init__(
@@ -126,10 +72,26 @@ class KVarNLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         sink_tokens: int = 0,
         quantize_before_read: bool = False,
         exact_tokens: int = 0,
+        sliding_window: int | None = None,
+        drop_unit: int | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         if sink_tokens and exact_tokens:
             raise ValueError("a layer keeps a sink tile (sink_tokens) or exact sink tokens (exact_tokens), not both")
+        if sliding_window is not None:
+            if sliding_window < 1:
+                raise ValueError(f"sliding_window={sliding_window}: a window holds at least 1 token")
+            if sink_tokens or exact_tokens:
+                raise ValueError("a sliding-window layer keeps no sink: its first tokens leave the window")
+            if committer is not None and committer.window >= sliding_window:
+                raise ValueError(
+                    f"the committer keeps its {committer.window} newest tokens unquantized, not fewer than the "
+                    f"window ({sliding_window} tokens): nothing it commits would be read"
+                )
+        self.is_sliding = sliding_window is not None
+        self.sliding_window = sliding_window
+        self.drop_unit = drop_unit or (committer.commit_tokens if committer is not None else 1)
+        self.offset = 0  # absolute position of the first token held (earlier ones left the window)
         self.quantize_before_read = quantize_before_read
         self.committer = committer
         self.sink_tokens = sink_tokens
@@ -154,10 +116,31 @@ class KVarNLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
             self.lazy_initialization(key_states, value_states)
         if self.committer is None or self.quantize_before_read:
             self._append(key_states, value_states)
-            return self._all()
-        old_k, old_v = self._all()
-        self._append(key_states, value_states)
-        return torch.cat([old_k, key_states], dim=-2), torch.cat([old_v, value_states], dim=-2)
+            out = self._all()
+        else:
+            old_k, old_v = self._all()
+            self._append(key_states, value_states)
+            out = torch.cat([old_k, key_states], dim=-2), torch.cat([old_v, value_states], dim=-2)
+        self._drop_behind_window()
+        return out
+
+    def _drop_behind_window(self) -> None:
+        """Forget whole drop units that no later query can read (the next query sits at ``length``)."""
+        if self.sliding_window is None:
+            return
+        keep_from = max(0, self.length - self.sliding_window + 1)
+        n = (keep_from // self.drop_unit) * self.drop_unit - self.offset
+        if self.committer is None:
+            n = min(n, self.tail_k.shape[-2])
+            self.tail_k, self.tail_v = self.tail_k[:, :, max(n, 0) :], self.tail_v[:, :, max(n, 0) :]
+        else:
+            # only committed tokens are dropped; the window check in __init__ makes this cap never bind
+            # (committed tokens end at or after keep_from's unit), so all sliding layers drop alike
+            n = min(n, self.done_k.shape[-2])
+            if n > 0:
+                self.committer.drop(n, self.done_k[:, :, :n].numel() * 2)
+                self.done_k, self.done_v = self.done_k[:, :, n:], self.done_v[:, :, n:]
+        self.offset += max(n, 0)
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Add new tokens to the tail; move the first ones to the sink; commit what is due."""
@@ -193,13 +176,18 @@ class KVarNLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         return k, v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        """``(kv_length, kv_offset)``: keys the next update returns, and the position of the first."""
+        return self.length - self.offset + query_length, self.offset
 
     def get_seq_length(self) -> int:
         return self.length
 
     def get_max_length(self) -> int:
-        return -1
+        return -1 if self.sliding_window is None else self.sliding_window
+
+    def held_tokens(self) -> int:
+        """Tokens held now (a sliding-window layer holds only those a later query can read)."""
+        return self.length - self.offset
 
     # ---- accounting --------------------------------------------------------------------------
     def quantized_bytes(self) -> float:
@@ -228,7 +216,7 @@ class KVarNLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
 
     # ---- unsupported cache operations: say so instead of silently corrupting ------------------
     def reset(self) -> None:
-        self.length = 0
+        self.length = self.offset = 0
         self.is_initialized = False
         self.exact_k = self.exact_v = torch.empty(0)
         if self.committer is not None:

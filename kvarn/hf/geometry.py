@@ -1,0 +1,155 @@
+"""The attention layers a cache serves: their types, sliding windows, KV heads and head_dim.
+
+Read from a transformers config the way transformers builds its own caches
+(``DynamicCache(config=...)`` calls ``transformers.cache_utils.get_layer_types_and_kwargs``):
+``config.layer_types`` when given (Gemma 2/3: five ``sliding_attention`` layers per
+``full_attention`` layer), else every layer is ``sliding_attention`` when ``config.sliding_window``
+is set (Mistral-style) and ``full_attention`` otherwise. A sliding layer with window ``W`` lets a
+query at position ``p`` read keys ``p-W+1..p``, so it never holds more than ``W`` tokens.
+
+Example:
+    >>> from transformers import Gemma3TextConfig
+    >>> g = cache_geometry(Gemma3TextConfig(num_hidden_layers=6, sliding_window=512, num_key_value_heads=1))
+    >>> g.count("sliding_attention"), g.count("full_attention"), g.head_dim
+    (5, 1, 256)
+    >>> round(g.bits_per_element(Scheme.from_name("kvarn_k4v2_g128"), context=4096), 4)
+    5.3871
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvarn.hf.spec import Spec
+from kvarn.schemes import Scheme
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+LAYER_TYPES: tuple[str, ...] = (FULL, SLIDING)
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """One model's attention layers as a KV cache sees them.
+
+    Attributes:
+        layer_types: per layer, ``"full_attention"`` or ``"sliding_attention"``.
+        windows: per layer, the sliding window in tokens, or None for full attention.
+        num_kv_heads, head_dim: the same for every layer.
+    """
+
+    layer_types: tuple[str, ...]
+    windows: tuple[int | None, ...]
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    def count(self, layer_type: str) -> int:
+        """How many layers are of ``layer_type``."""
+        return sum(t == layer_type for t in self.layer_types)
+
+    def held_tokens(self, layer: int, context: int) -> int:
+        """Tokens layer ``layer`` must hold at ``context`` tokens: all of them, or its window."""
+        w = self.windows[layer]
+        return context if w is None else min(context, w)
+
+    def layer_bits(self, spec: Spec, layer: int, quantize_sliding: bool = False, context: int | None = None) -> float:
+        """Stored bits per held number of one layer (16 when the layer stays unquantized).
+
+        Full-attention layers: the scheme's own figure (its sink spread over ``context``). Sliding
+        layers: 16 bits unless ``quantize_sliding``; then the scheme's tiles without any sink (a
+        sliding layer keeps no sink: its first tokens leave the window).
+        """
+        if spec is None:
+            return 16.0
+        sliding = self.windows[layer] is not None
+        if sliding and not quantize_sliding:
+            return 16.0
+        if not isinstance(spec, Scheme):
+            return float(spec.bits_per_element(self.head_dim))
+        s = spec.for_layer(layer)
+        if s is None:
+            return 16.0
+        if sliding:
+            return replace(s, sink_tile=False, sink_tokens=0).bits_per_element(self.head_dim)
+        return s.bits_per_element(self.head_dim, context=context)
+
+    def bits_per_element(self, spec: Spec, context: int, quantize_sliding: bool = False) -> float:
+        """Stored bits per held number over all layers at ``context`` tokens of one sequence.
+
+        Each layer weighs by the tokens it holds (:meth:`held_tokens`), so sliding layers count for
+        at most their window. The 16-bit cache with the same windows is ``16 / this`` times larger.
+        Without sliding layers this equals ``scheme.bits_per_element(head_dim, num_layers, context)``.
+
+        Raises:
+            ValueError: ``context`` below 1.
+        """
+        if context < 1:
+            raise ValueError(f"context={context} must be >= 1 token")
+        bits = held = 0.0
+        for layer in range(self.num_layers):
+            n = self.held_tokens(layer, context)
+            bits += n * self.layer_bits(spec, layer, quantize_sliding, context)
+            held += n
+        return bits / held
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _layer_types_and_windows(text: Any) -> tuple[list[str], list[int | None]]:
+    if hasattr(text, "per_layer_config"):  # a transformers config: exactly what DynamicCache builds
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        types, kwargs = get_layer_types_and_kwargs(text)
+        return list(types), [
+            kw.get("sliding_window") if t == SLIDING else None for t, kw in zip(types, kwargs, strict=True)
+        ]
+    layers = int(text.num_hidden_layers)  # a plain namespace (tests, duck-typed configs): the same rules
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None) or [FULL if window is None else SLIDING] * layers
+    return list(types), [window if t == SLIDING else None for t in types]
+
+
+def cache_geometry(config: Any) -> CacheGeometry:
+    """The :class:`CacheGeometry` of a transformers config (or its text config, for multimodal ones).
+
+    Raises:
+        ValueError: a layer type other than full or sliding-window attention (the message lists the
+            model's types and the supported ones), a sliding layer without a window, or layers whose
+            KV heads or head_dim differ.
+    """
+    text = _text_config(config)
+    types, windows = _layer_types_and_windows(text)
+    other = sorted(set(types) - set(LAYER_TYPES))
+    if other:
+        raise ValueError(
+            f"KVarNCache supports the layer types {', '.join(LAYER_TYPES)}; this model also has {', '.join(other)}"
+        )
+    if any(t == SLIDING and (w is None or int(w) < 1) for t, w in zip(types, windows, strict=True)):
+        raise ValueError(f"a sliding_attention layer needs a sliding_window of at least 1 token, got {windows}")
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    global_head_dim = getattr(text, "global_head_dim", None)  # Gemma 4: wider full-attention layers
+    if global_head_dim and int(global_head_dim) != head_dim:
+        raise ValueError(
+            f"KVarNCache needs one head_dim for all layers; this model has head_dim {head_dim} and "
+            f"global_head_dim {global_head_dim}"
+        )
+    return CacheGeometry(tuple(types), tuple(None if w is None else int(w) for w in windows), kv_heads, head_dim)
+
+
+def model_geometry(config: Any) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of a transformers config (see :func:`cache_geometry`).
+
+    Raises:
+        ValueError: see :func:`cache_geometry`.
+    """
+    g = cache_geometry(config)
+    return g.num_layers, g.num_kv_heads, g.head_dim

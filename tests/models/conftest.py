@@ -1,0 +1,44 @@
+"""Fixtures: small random-weight models (see :mod:`tests.models.builders`), one torch thread.
+
+One thread: the CI machines have 2 shared cores, and the codec's small ops with two threads spend
+most of their time waiting for each other (see tests/hf/conftest.py for the measurement).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.models.builders import build, gemma3_config, llama_config, save
+
+WINDOW = 48  # the Gemma-like model's sliding window: shorter than the test contexts, not a tile multiple
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def gemma() -> Any:
+    """Gemma-3-like: 6 layers (5 sliding with window 48, then 1 full), head_dim 256, 1 KV head."""
+    return build(gemma3_config(hidden=64, layers=6, window=WINDOW))
+
+
+@pytest.fixture(scope="session")
+def llama() -> Any:
+    """Llama-like: 2 full-attention layers, head_dim 64, 2 KV heads."""
+    return build(llama_config(hidden=128, layers=2))
+
+
+@pytest.fixture(scope="session")
+def gemma_folder(gemma: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Gemma-like model and the byte tokenizer saved as a Hugging Face folder."""
+    return save(gemma, tmp_path_factory.mktemp("gemma3-tiny"))
