@@ -102,6 +102,7 @@ class Objective:
     chunk: int = 128
     tokens: int | None = None  # the evaluator's length; a partial evaluation must stay below it
     context: int | None = None  # sequence length the sink cost is spread over (None: not counted)
+    bits_of: Callable[[Scheme], float] | None = None  # bits of a model with sliding layers (see tuner.layer_mix_bits)
 
     def __post_init__(self) -> None:
         self.cache: dict[str, dict[str, Any]] = {}
@@ -150,7 +151,10 @@ class Objective:
 
     def __call__(self, trial: optuna.Trial) -> float:
         scheme = self.space.sample(trial)
-        bits = scheme.bits_per_element(self.head_dim, self.num_layers, self.context)
+        if self.bits_of is not None:
+            bits = self.bits_of(scheme)
+        else:
+            bits = scheme.bits_per_element(self.head_dim, self.num_layers, self.context)
         trial.set_user_attr("scheme", scheme.name)
         trial.set_user_attr("bits", bits)
         if not self.pareto:

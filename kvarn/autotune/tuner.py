@@ -174,6 +174,21 @@ def model_dims(model: str) -> tuple[int, int]:
     return int(cfg["num_hidden_layers"]), int(head_dim)
 
 
+def layer_mix_bits(evaluator: EvaluatorLike, context: int) -> Callable[[Scheme], float] | None:
+    """Bits per element of a model with sliding-window layers at ``context`` tokens: they stay
+    16-bit and weigh only their window (:meth:`kvarn.hf.CacheGeometry.bits_per_element`); None for
+    a model with full attention only, or an evaluator without a model (the scheme's own figure)."""
+    config = getattr(getattr(evaluator, "model", None), "config", None)
+    if config is None:
+        return None
+    from kvarn.hf import FULL, cache_geometry
+
+    geometry = cache_geometry(config)
+    if geometry.count(FULL) == geometry.num_layers:
+        return None
+    return lambda scheme: geometry.bits_per_element(scheme, context)
+
+
 def harness_factory(config: TuneConfig) -> EvaluatorFactory:
     """Evaluators of the decode-mode harness, one per text part."""
 
@@ -342,6 +357,7 @@ def tune(
         chunk=config.chunk,
         tokens=config.tokens,
         context=config.bits_context,
+        bits_of=layer_mix_bits(calib_ev, config.bits_context),
     )
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
     objective.prime(done)

@@ -47,6 +47,9 @@ class EvalResult:
     greedy_agreement_tokens: int | None  # leading greedy tokens identical to fp16's; None: not run
     tokens: int
     seconds: float
+    # block-bootstrap intervals (chunks as blocks; see kvarn.eval.metrics), [low, high]; None: not measured
+    delta_ppl_pct_ci: list[float] | None = None
+    kl_ci: list[float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,6 +91,8 @@ class Evaluator:
             Log-probabilities are compared on the CPU, in float32, whatever the device.
         dtype: the model's weights and activations: ``float32`` (default), ``bfloat16``, ``float16``.
             The reference is the same model in the same dtype with an unquantized cache.
+        quantize_sliding: quantize sliding-window layers too (default: they stay exact, as in
+            KVarN; see :class:`kvarn.hf.KVarNCache`).
 
     Raises:
         ValueError: a non-positive ``chunk`` or ``tokens``, a negative ``greedy_tokens``, a text
@@ -106,6 +111,7 @@ class Evaluator:
         quantize_before_read: bool = False,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
+        quantize_sliding: bool = False,
     ) -> None:
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk={chunk!r}: the chunk size must be a positive number of tokens (e.g. 128)")
@@ -116,6 +122,7 @@ class Evaluator:
         self.model_name = model
         self.chunk = chunk
         self.quantize_before_read = quantize_before_read
+        self.quantize_sliding = quantize_sliding
         self.greedy_tokens = greedy_tokens
         self.device, self.dtype = parse_device(device), parse_dtype(dtype)
         self.model, self.tokenizer = _loaded(model, self.device, self.dtype)
@@ -252,9 +259,14 @@ class Evaluator:
         ref_ppl = math.exp(float(ref.nll[: n - 1].double().mean()))
         if spec is None:  # fp16 is the reference itself
             agree = len(ref_greedy) if ref_greedy is not None else None
-            return EvalResult(_name(scheme), 16.0, ref_ppl, 0.0, 0.0, 1.0, agree, n, ref.seconds)
+            return EvalResult(_name(scheme), 16.0, ref_ppl, 0.0, 0.0, 1.0, agree, n, ref.seconds, [0.0, 0.0], [0.0, 0.0])
         t0 = time.perf_counter()
-        cache = KVarNCache(spec, self.model.config, quantize_before_read=self.quantize_before_read)
+        cache = KVarNCache(
+            spec,
+            self.model.config,
+            quantize_before_read=self.quantize_before_read,
+            quantize_sliding=self.quantize_sliding,
+        )
         sums = MetricSums()
         last = torch.empty(0)
         with self._bar(_name(scheme), math.ceil(n / self.chunk) + g, progress) as bar:
@@ -267,6 +279,7 @@ class Evaluator:
             agree = None
             if ref_greedy is not None:
                 agree = leading_matches(self._greedy(cache, last, g, bar, ref_greedy), ref_greedy)
+        ppl_ci, kl_ci = sums.intervals(block=self.chunk)
         return EvalResult(
             scheme=_name(scheme),
             bits_per_element=bits,
@@ -277,6 +290,8 @@ class Evaluator:
             greedy_agreement_tokens=agree,
             tokens=n,
             seconds=time.perf_counter() - t0,
+            delta_ppl_pct_ci=list(ppl_ci),
+            kl_ci=list(kl_ci),
         )
 
     def evaluate_all(
