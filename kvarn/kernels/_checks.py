@@ -49,3 +49,37 @@ def rotation(kind: str, head_dim: int, device: torch.device) -> torch.Tensor:
 def log8_table(device: torch.device) -> torch.Tensor:
     """``[256]`` float32: the value of every log8 byte, from the reference decoder."""
     return load_positive(torch.arange(256, dtype=torch.int32).to(torch.uint8), "log8").to(device).contiguous()
+
+
+def check_staging(
+    name: str,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: torch.Tensor,
+    slot: torch.Tensor | None,
+    bsz: int,
+    hkv: int,
+    d: int,
+    dev: torch.device,
+    rows: tuple[int, int],
+) -> None:
+    """Check a tail or sink: per sequence ``[B, Hkv, R, D]``, or a pool ``[slots, Hkv, R, D]`` with ``slot``.
+
+    ``rows`` is the allowed range of ``R`` (inclusive); ``lens`` and ``slot`` are ``[B]`` int32.
+    """
+    first = bsz if slot is None else None
+    check_tensor(f"{name}_k", k, (first, hkv, None, d), FLOAT_DTYPES, dev)
+    check_tensor(f"{name}_v", v, tuple(k.shape), (k.dtype,), dev)
+    check_tensor(f"{name}_lens", lens, (bsz,), (torch.int32,), dev)
+    if slot is not None:
+        check_tensor(f"{name}_slot", slot, (bsz,), (torch.int32,), dev)
+        if k.shape[0] == 0 and bsz:
+            raise KernelArgumentError(f"{name}_k is an empty pool (0 slots) but {bsz} sequences read it")
+    lo, hi = rows
+    if not lo <= k.shape[2] <= hi:
+        want = str(lo) if lo == hi else f"{lo}..{hi}"
+        raise KernelArgumentError(f"{name}_k holds {k.shape[2]} tokens per slot (axis 2); allowed: {want}")
+    if k.stride() != v.stride():
+        raise KernelArgumentError(
+            f"{name}_k and {name}_v must have the same strides, got {k.stride()} and {v.stride()}"
+        )

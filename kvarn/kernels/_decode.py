@@ -1,16 +1,23 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 # (Triton JIT bodies: their arguments are pointers, tensors and tl.constexpr, typed by Triton itself)
-"""Triton bodies of fused paged decode attention (optionally split-K) and its split reduction.
+"""Triton bodies of fused paged decode attention (optionally split-K), shared tile helpers, and the
+merge kernel that combines split partials and un-rotates.
 
 One program serves one (sequence, KV head, split): the query heads of that KV head (GQA) are one
-``[BLOCK_G, D]`` block, so every packed tile is read once for all of them. Tiles are unpacked and
-dequantized in registers, never written back. With ``k = (code * ks + ko) * kf`` (keys: scale and
-zero point per channel, factor per token) the scores are
-``kf[t] * ((q * ks) . code[t] + q . ko)``; with ``v = (code * vs + vo) * vf`` the output update is
-``vf * ((p * vs) @ code + p . vo)``: two small matrix products on raw codes per tile.
+``[BLOCK_G, D]`` block, so every packed tile is read once for all of them. A tile is streamed in
+sub-blocks of ``BT`` tokens: packed codes load as int32 words (``D * bits / 32`` per token row),
+unpack in registers and enter ``tl.dot`` as float16 (codes of up to 8 bits are exact there); the
+float side of each product is scaled per row and split into a float16 high and low part
+(:func:`split_halves`), so the products keep ~22 mantissa bits instead of TF32's 10. (float16,
+not bfloat16: Triton 3.9's interpreter computes bfloat16 dots on the raw bits, so bfloat16 could
+not be proven against the reference on CPU.) Unquantized tokens use three TF32 products. With ``k = (code * ks + ko) * kf`` (keys: scale and zero point
+per channel, factor per token) the scores are ``kf[t] * ((q * ks) . code[t] + q . ko)``; with
+``v = (code * vs + vo) * vf`` the output update is ``vf * ((p * vs) @ code + p . vo)``.
 Scores use base 2 (``sm_scale * log2(e)`` is folded into the query). The packed part of the
-context is attended in the rotated domain; the unquantized sink and tail tokens in the plain one;
-the two accumulators are merged after un-rotating the first.
+context is attended in the rotated domain (``acc_r``); unquantized sink and tail tokens in the
+plain one (``acc_p``). The query is rotated in chunks of ``RK`` channels and the output
+un-rotated by :func:`merge_kernel` in chunks of columns, so no ``[D, D]`` matrix is ever held
+whole (at head_dim 256 it alone is 256 KiB).
 
 With in-tile sink tokens (``SINK_TOKENS > 0``) the exact copies are attended like a sink tile (in
 split 0), and the scores of the same positions in tile 0 (also in split 0) are masked to -inf, so
@@ -22,17 +29,33 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+NEVER = tl.constexpr(1 << 30)  # a key index no query row reaches: "no causal limit"
+
 
 @triton.jit
-def load_codes(rec, tt, dd, BITS: tl.constexpr, T: tl.constexpr, D: tl.constexpr):
-    """Unpack codes at token ``tt`` / channel ``dd`` (broadcastable int tensors) -> int32."""
+def load_plane(rec, t0, W: tl.constexpr, BT: tl.constexpr, D: tl.constexpr):
+    """One ``W``-bit code plane of tokens ``t0 .. t0+BT-1`` at byte pointer ``rec`` -> ``[BT, D]`` int32.
+
+    A token's row of the plane is ``D * W / 32`` little-endian int32 words; channel ``j`` of a word
+    sits at bits ``j*W .. j*W+W-1`` (the byte packing of ``kvarn.codec.pack`` read 4 bytes at a time).
+    """
+    PER: tl.constexpr = 32 // W
+    NW: tl.constexpr = D // PER
+    words = rec.to(tl.pointer_type(tl.int32))
+    tt = t0 + tl.arange(0, BT)
+    w = tl.load(words + tt[:, None] * NW + tl.arange(0, NW)[None, :])  # [BT, NW]
+    shifts = tl.arange(0, PER) * W
+    codes = (w[:, :, None] >> shifts[None, None, :]) & ((1 << W) - 1)  # [BT, NW, PER]
+    return tl.reshape(codes, (BT, D))
+
+
+@triton.jit
+def load_code_block(rec, t0, BITS: tl.constexpr, BT: tl.constexpr, T: tl.constexpr, D: tl.constexpr):
+    """Codes of tokens ``t0 .. t0+BT-1`` of one code section (4-byte aligned) -> ``[BT, D]`` int32."""
     W0: tl.constexpr = 8 if BITS == 8 else (4 if BITS == 4 else 2)
-    PER0: tl.constexpr = 8 // W0
-    byte = tl.load(rec + tt * (D // PER0) + dd // PER0).to(tl.int32)
-    code = (byte >> ((dd % PER0) * W0)) & ((1 << W0) - 1)
-    if BITS == 3:  # second plane: the high bit, 8 channels per byte
-        hi = tl.load(rec + T * D // 4 + tt * (D // 8) + dd // 8).to(tl.int32)
-        code = code | (((hi >> (dd % 8)) & 1) << 2)
+    code = load_plane(rec, t0, W0, BT, D)
+    if BITS == 3:  # second plane: the high bit, after the whole 2-bit plane
+        code = code | (load_plane(rec + T * D // 4, t0, 1, BT, D) << 2)
     return code
 
 
@@ -53,178 +76,258 @@ def load_offset(rec, idx, scale, LOG8: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(s, m, lsum, acc_rot, acc_plain):
-    """Online softmax: fold scores ``s`` [BLOCK_G, N] (base 2, -inf = masked) into (m, lsum, accs)."""
+def split_halves(a):
+    """``a`` ``[M, K]`` float32 -> ``(hi, lo, scale)``: ``a ~= (hi + lo) * scale[:, None]``, hi/lo fp16.
+
+    Each row is first scaled into [-1, 1] (no fp16 overflow, whatever the magnitude), then split
+    into two fp16 parts: ~22 mantissa bits of ``a`` survive, against TF32's 10.
+    """
+    scale = tl.max(tl.abs(a), axis=1)
+    scale = tl.where(scale > 0, scale, 1.0)
+    an = a * (1.0 / scale)[:, None]
+    hi = an.to(tl.float16)
+    return hi, (an - hi.to(tl.float32)).to(tl.float16), scale
+
+
+@triton.jit
+def dot_halves(hi, lo, scale, b):
+    """``(hi + lo) * scale[:, None] @ b`` -> float32, ``b`` ``[K, N]`` fp16 holding exact values (codes)."""
+    return (tl.dot(hi, b) + tl.dot(lo, b)) * scale[:, None]
+
+
+@triton.jit
+def dot_exact(a, b):
+    """``a @ b`` for float32 ``a`` and staged tokens ``b`` (any float dtype): three TF32 products."""
+    return tl.dot(a, b.to(tl.float32), input_precision="tf32x3")
+
+
+@triton.jit
+def slot_of(slot_ptr, b, POOL: tl.constexpr):
+    """Staging slot of sequence ``b`` (int64): ``slot_ptr[b]`` for a pool, else ``b`` itself."""
+    if POOL:
+        return tl.load(slot_ptr + b).to(tl.int64)
+    return b.to(tl.int64)
+
+
+@triton.jit
+def softmax_step(s, m, lsum):
+    """Online softmax: fold scores ``s`` [M, N] (base 2, -inf = masked) into (m, lsum).
+
+    Returns ``(p, m, lsum, alpha)``: weights, new maximum and sum, and the factor for old accumulators.
+    """
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep every weight 0
     alpha = tl.exp2(m - m_use)
     p = tl.exp2(s - m_use[:, None])
-    lsum = lsum * alpha + tl.sum(p, axis=1)
-    return p, m_new, lsum, acc_rot * alpha[:, None], acc_plain * alpha[:, None]
+    return p, m_new, lsum * alpha + tl.sum(p, axis=1), alpha
 
 
 @triton.jit
-def _plain_tokens(kv_k, kv_v, n_valid, qs, m, lsum, acc_rot, acc_plain, stride_t, T: tl.constexpr, D: tl.constexpr):
-    """Attend ``n_valid`` unquantized, unrotated tokens (sink or tail) at ``kv_k``/``kv_v``."""
-    t = tl.arange(0, T)
+def rotated_query(q_rows, qmask, rot_ptr, qk_scale, M: tl.constexpr, D: tl.constexpr, RK: tl.constexpr):
+    """``(q @ R) * qk_scale`` for query rows at ``q_rows`` (``[M, 1]`` pointers) -> ``[M, D]`` float32.
+
+    R streams in ``[RK, D]`` row chunks, the query in matching column chunks (full fp32 products).
+    """
     d = tl.arange(0, D)
-    valid = t < n_valid
-    kt = tl.load(kv_k + t[None, :] * stride_t + d[:, None], mask=valid[None, :], other=0.0).to(tl.float32)
-    s = tl.dot(qs, kt)
-    s = tl.where(valid[None, :], s, float("-inf"))
-    p, m, lsum, acc_rot, acc_plain = _softmax_step(s, m, lsum, acc_rot, acc_plain)
-    v = tl.load(kv_v + t[:, None] * stride_t + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    acc_plain += tl.dot(p, v)
-    return m, lsum, acc_rot, acc_plain
+    qr = tl.zeros((M, D), tl.float32)
+    for k0 in range(0, D, RK):
+        kk = k0 + tl.arange(0, RK)
+        qc = tl.load(q_rows + kk[None, :], mask=qmask, other=0.0).to(tl.float32)
+        qr += tl.dot(qc, tl.load(rot_ptr + kk[:, None] * D + d[None, :]), input_precision="ieee")
+    return qr * qk_scale
+
+
+@triton.jit
+def attend_tiles(
+    cache_ptr, stride_cb, stride_ch, bt_row, hk, first, last, n_sink, qr, m, lsum, acc_r, lut_ptr,
+    KB: tl.constexpr, VB: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+    LOG8: tl.constexpr, SINK_TOKENS: tl.constexpr,
+    KC: tl.constexpr, VC: tl.constexpr, KS: tl.constexpr, KO: tl.constexpr, KF: tl.constexpr,
+    VS: tl.constexpr, VO: tl.constexpr, VF: tl.constexpr,
+):  # fmt: skip
+    """Attend packed tiles ``first .. last-1`` of ``bt_row`` (rotated query ``qr`` [M, D], scaled).
+
+    Tile 0's first ``n_sink`` positions are masked when ``SINK_TOKENS`` (their exact copies are
+    attended as plain tokens). Returns the updated ``(m, lsum, acc_r)``.
+    """
+    d = tl.arange(0, D)
+    for i in range(first, last):
+        blk = tl.load(bt_row + i).to(tl.int64)
+        rec = cache_ptr + blk * stride_cb + hk * stride_ch
+        ks = load_positive(rec + KS, d, lut_ptr, LOG8)
+        qk_hi, qk_lo, qk_scale = split_halves(qr * ks[None, :])
+        qo = tl.sum(qr * load_offset(rec + KO, d, ks, LOG8)[None, :], axis=1)
+        vf = load_positive(rec + VF, d, lut_ptr, LOG8)
+        for t0 in range(0, T, BT):
+            tt = t0 + tl.arange(0, BT)
+            kc = tl.trans(load_code_block(rec + KC, t0, KB, BT, T, D).to(tl.float16))  # [D, BT]
+            s = dot_halves(qk_hi, qk_lo, qk_scale, kc) + qo[:, None]
+            s = s * load_positive(rec + KF, tt, lut_ptr, LOG8)[None, :]
+            if SINK_TOKENS > 0:
+                s = tl.where((i == 0) & (tt[None, :] < n_sink), float("-inf"), s)
+            p, m, lsum, alpha = softmax_step(s, m, lsum)
+            vs = load_positive(rec + VS, tt, lut_ptr, LOG8)
+            vo = load_offset(rec + VO, tt, vs, LOG8)
+            vc = load_code_block(rec + VC, t0, VB, BT, T, D).to(tl.float16)  # [BT, D]
+            pv_hi, pv_lo, pv_scale = split_halves(p * vs[None, :])
+            pv = dot_halves(pv_hi, pv_lo, pv_scale, vc) + tl.sum(p * vo[None, :], axis=1)[:, None]
+            acc_r = acc_r * alpha[:, None] + pv * vf[None, :]
+    return m, lsum, acc_r
+
+
+@triton.jit
+def attend_plain(
+    k_ptr, v_ptr, stride_t, n_keys, row_last, qs, m, lsum, acc_r, acc_p,
+    PT: tl.constexpr, D: tl.constexpr, ROTATE: tl.constexpr,
+):  # fmt: skip
+    """Attend ``n_keys`` unquantized, unrotated keys (rows ``stride_t`` apart at ``k_ptr``/``v_ptr``).
+
+    Query row ``r`` sees key ``j`` only when ``j <= row_last[r]`` (causal new tokens; ``NEVER``
+    otherwise). The values go to ``acc_p`` when ``ROTATE`` (merged after un-rotating ``acc_r``),
+    else straight into ``acc_r``. Returns ``(m, lsum, acc_r, acc_p)``.
+    """
+    d = tl.arange(0, D)
+    for j0 in range(0, n_keys, PT):
+        j = j0 + tl.arange(0, PT)
+        valid = j < n_keys
+        k = tl.load(k_ptr + j[:, None] * stride_t + d[None, :], mask=valid[:, None], other=0.0)
+        s = dot_exact(qs, tl.trans(k))
+        s = tl.where(valid[None, :] & (j[None, :] <= row_last[:, None]), s, float("-inf"))
+        p, m, lsum, alpha = softmax_step(s, m, lsum)
+        pv = dot_exact(p, tl.load(v_ptr + j[:, None] * stride_t + d[None, :], mask=valid[:, None], other=0.0))
+        acc_r = acc_r * alpha[:, None]
+        if ROTATE:
+            acc_p = acc_p * alpha[:, None] + pv
+        else:
+            acc_r += pv
+    return m, lsum, acc_r, acc_p
 
 
 @triton.jit
 def decode_kernel(
-    q_ptr,  # [B, Hq, D] unrotated
-    stride_qb,
-    stride_qh,
-    cache_ptr,  # [num_blocks, Hkv, tile_bytes] uint8
-    stride_cb,
-    stride_ch,
-    bt_ptr,  # [B, max_blocks] int32
-    stride_btb,
-    ntiles_ptr,  # [B] int32
-    tail_k_ptr,  # [B, Hkv, T, D]
-    tail_v_ptr,
-    stride_tb,
-    stride_th,
-    stride_tt,
-    tail_len_ptr,  # [B] int32
-    sink_k_ptr,  # [B, Hkv, T, D] (ignored without HAS_SINK; SINK_TOKENS: copies of tile 0's first tokens)
-    sink_v_ptr,
-    stride_sb,
-    stride_sh,
-    stride_st,
-    sink_len_ptr,
-    rot_ptr,  # [D, D] float32
-    lut_ptr,  # [256] float32
-    out_ptr,  # SPLIT: [B, Hq, S, D] float32; else [B, Hq, D]
-    ml_ptr,  # SPLIT: [B, Hq, S, 2] float32 (m, l); else unused
-    stride_ob,
-    stride_oh,
+    q_ptr, stride_qb, stride_qh,  # [B, Hq, D] unrotated
+    cache_ptr, stride_cb, stride_ch,  # [num_blocks, Hkv, tile_bytes] uint8
+    bt_ptr, stride_btb, ntiles_ptr,  # [B, max_blocks] int32, [B] int32
+    tail_k_ptr, tail_v_ptr, stride_tb, stride_th, stride_tt, tail_len_ptr, tail_slot_ptr,  # pool [slots, Hkv, T, D]
+    sink_k_ptr, sink_v_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr, sink_slot_ptr,  # pool [slots, Hkv, SCAP, D]
+    rot_ptr, lut_ptr,  # [D, D] float32, [256] float32
+    out_ptr, stride_ob, stride_oh,  # [B, Hq, D] (not PARTIAL)
+    part_ptr, ml_ptr,  # PARTIAL: [B * Hq, S, NACC, D] float32 accumulators, [B * Hq, S, 2] float32 (m, l)
     qk_scale,  # sm_scale * log2(e)
-    G: tl.constexpr,  # query heads per KV head
-    BLOCK_G: tl.constexpr,
-    S: tl.constexpr,  # number of splits
-    KB: tl.constexpr,
-    VB: tl.constexpr,
-    T: tl.constexpr,
-    D: tl.constexpr,
-    LOG8: tl.constexpr,
-    ROTATE: tl.constexpr,
-    HAS_SINK: tl.constexpr,
-    SINK_TOKENS: tl.constexpr,  # > 0: the sink copies replace tile 0's first tokens (needs HAS_SINK)
-    KC: tl.constexpr,  # record section offsets
-    VC: tl.constexpr,
-    KS: tl.constexpr,
-    KO: tl.constexpr,
-    KF: tl.constexpr,
-    VS: tl.constexpr,
-    VO: tl.constexpr,
-    VF: tl.constexpr,
-):
+    G: tl.constexpr, BLOCK_G: tl.constexpr, S: tl.constexpr, PARTIAL: tl.constexpr,
+    KB: tl.constexpr, VB: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
+    BT: tl.constexpr, PT: tl.constexpr, RK: tl.constexpr,
+    LOG8: tl.constexpr, ROTATE: tl.constexpr,
+    HAS_SINK: tl.constexpr, SINK_TOKENS: tl.constexpr, SCAP: tl.constexpr,
+    TAIL_SLOT: tl.constexpr, SINK_SLOT: tl.constexpr,
+    KC: tl.constexpr, VC: tl.constexpr, KS: tl.constexpr, KO: tl.constexpr, KF: tl.constexpr,
+    VS: tl.constexpr, VO: tl.constexpr, VF: tl.constexpr,
+):  # fmt: skip
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
-    t = tl.arange(0, T)
     gmask = g < G
-    q = tl.load(q_ptr + b * stride_qb + (hk * G + g)[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
-    qs = q.to(tl.float32) * qk_scale
-    if ROTATE:  # noqa: SIM108  (constexpr branches, not a runtime choice)
-        qr = tl.dot(qs, tl.load(rot_ptr + d[:, None] * D + d[None, :]))
-    else:
-        qr = qs
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + (hk * G + g)[:, None] * stride_qh
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     lsum = tl.zeros((BLOCK_G,), tl.float32)
-    acc_rot = tl.zeros((BLOCK_G, D), tl.float32)
-    acc_plain = tl.zeros((BLOCK_G, D), tl.float32)
+    acc_r = tl.zeros((BLOCK_G, D), tl.float32)
+    acc_p = tl.zeros((BLOCK_G, D), tl.float32)
 
     ntiles = tl.load(ntiles_ptr + b)
+    n_sink = 0
     if HAS_SINK:
-        n_sink = tl.load(sink_len_ptr + b)
+        n_sink = tl.minimum(tl.maximum(tl.load(sink_len_ptr + b), 0), SCAP)
         if SINK_TOKENS > 0:  # before tile 0 is packed its tokens are in the tail: no copies then
-            n_sink = tl.where(ntiles > 0, tl.minimum(tl.maximum(n_sink, 0), SINK_TOKENS), 0)
-        if split == 0:
-            sink = b.to(tl.int64) * stride_sb + hk * stride_sh
-            m, lsum, acc_rot, acc_plain = _plain_tokens(
-                sink_k_ptr + sink, sink_v_ptr + sink, n_sink, qs, m, lsum, acc_rot, acc_plain, stride_st, T, D,
-            )  # fmt: skip
+            n_sink = tl.where(ntiles > 0, tl.minimum(n_sink, SINK_TOKENS), 0)
 
     per_split = tl.cdiv(ntiles, S)
     start = split * per_split
-    end = tl.minimum(start + per_split, ntiles)
-    for i in range(start, end):
-        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + i).to(tl.int64)
-        rec = cache_ptr + blk * stride_cb + hk.to(tl.int64) * stride_ch
-        kcode = load_codes(rec + KC, t[None, :], d[:, None], KB, T, D).to(tl.float32)  # [D, T]
-        ks = load_positive(rec + KS, d, lut_ptr, LOG8)
-        ko = load_offset(rec + KO, d, ks, LOG8)
-        kf = load_positive(rec + KF, t, lut_ptr, LOG8)
-        s = tl.dot(qr * ks[None, :], kcode) + tl.sum(qr * ko[None, :], axis=1)[:, None]
-        s = s * kf[None, :]
-        if SINK_TOKENS > 0:  # tile 0 is in split 0: its first n_sink tokens were attended exactly
-            s = tl.where((i == 0) & (t[None, :] < n_sink), float("-inf"), s)
-        p, m, lsum, acc_rot, acc_plain = _softmax_step(s, m, lsum, acc_rot, acc_plain)
-        vcode = load_codes(rec + VC, t[:, None], d[None, :], VB, T, D).to(tl.float32)  # [T, D]
-        vs = load_positive(rec + VS, t, lut_ptr, LOG8)
-        vo = load_offset(rec + VO, t, vs, LOG8)
-        vf = load_positive(rec + VF, d, lut_ptr, LOG8)
-        pv = tl.dot(p * vs[None, :], vcode) + tl.sum(p * vo[None, :], axis=1)[:, None]
-        acc_rot += pv * vf[None, :]
+    if ROTATE:
+        qr = rotated_query(q_rows, gmask[:, None], rot_ptr, qk_scale, BLOCK_G, D, RK)
+    else:
+        qr = tl.load(q_rows + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * qk_scale
+    m, lsum, acc_r = attend_tiles(
+        cache_ptr, stride_cb, stride_ch, bt_ptr + b.to(tl.int64) * stride_btb, hk.to(tl.int64), start,
+        tl.minimum(start + per_split, ntiles), n_sink, qr, m, lsum, acc_r, lut_ptr,
+        KB, VB, T, D, BT, LOG8, SINK_TOKENS, KC, VC, KS, KO, KF, VS, VO, VF,
+    )  # fmt: skip
 
+    # plain tokens after the tiles (order is free in an online softmax; the query is reloaded so
+    # the tile loop holds only the rotated one)
+    qs = tl.load(q_rows + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * qk_scale
+    no_limit = tl.full((BLOCK_G,), NEVER, tl.int32)
+    if HAS_SINK:  # noqa: SIM102  (a constexpr, then a runtime condition)
+        if split == 0:
+            sslot = slot_of(sink_slot_ptr, b, SINK_SLOT)
+            sink = sslot * stride_sb + hk * stride_sh
+            m, lsum, acc_r, acc_p = attend_plain(
+                sink_k_ptr + sink, sink_v_ptr + sink, stride_st, n_sink, no_limit, qs, m, lsum, acc_r, acc_p,
+                PT, D, ROTATE,
+            )  # fmt: skip
     if split == S - 1:
-        tail = b.to(tl.int64) * stride_tb + hk * stride_th
-        m, lsum, acc_rot, acc_plain = _plain_tokens(
-            tail_k_ptr + tail, tail_v_ptr + tail, tl.load(tail_len_ptr + b), qs, m, lsum, acc_rot, acc_plain,
-            stride_tt, T, D,
+        tslot = slot_of(tail_slot_ptr, b, TAIL_SLOT)
+        tail = tslot * stride_tb + hk * stride_th
+        n_tail = tl.minimum(tl.maximum(tl.load(tail_len_ptr + b), 0), T)
+        m, lsum, acc_r, acc_p = attend_plain(
+            tail_k_ptr + tail, tail_v_ptr + tail, stride_tt, n_tail, no_limit, qs, m, lsum, acc_r, acc_p,
+            PT, D, ROTATE,
         )  # fmt: skip
 
-    if ROTATE:  # un-rotate: acc @ R^T
-        acc_rot = tl.dot(acc_rot, tl.load(rot_ptr + d[None, :] * D + d[:, None]))
-    acc = acc_rot + acc_plain
     hq = hk * G + g
-    if S == 1:
-        out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
-        o_ptr = out_ptr + b * stride_ob + hq[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-    else:
+    if PARTIAL:
+        NACC: tl.constexpr = 2 if ROTATE else 1
         row = (b * (tl.num_programs(1) * G) + hq) * S + split  # [B, Hq, S] flattened
-        tl.store(out_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+        tl.store(part_ptr + (row * NACC)[:, None] * D + d[None, :], acc_r, mask=gmask[:, None])
+        if ROTATE:
+            tl.store(part_ptr + (row * NACC + 1)[:, None] * D + d[None, :], acc_p, mask=gmask[:, None])
         tl.store(ml_ptr + row * 2, m, mask=gmask)
         tl.store(ml_ptr + row * 2 + 1, lsum, mask=gmask)
+    else:
+        out = acc_r / tl.where(lsum > 0, lsum, 1.0)[:, None]
+        o_ptr = out_ptr + b.to(tl.int64) * stride_ob + hq[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
 @triton.jit
-def split_reduce_kernel(
-    part_ptr,  # [B * Hq, S, D] float32 partial accumulators (unrotated)
-    ml_ptr,  # [B * Hq, S, 2] float32 (m, l)
-    out_ptr,  # [B, Hq, D]
+def merge_kernel(
+    part_ptr,  # [rows, S, NACC, D] float32 accumulators (NACC = 2: rotated, plain)
+    ml_ptr,  # [rows, S, 2] float32 (m, l)
+    rot_ptr,  # [D, D] float32
+    out_ptr,  # [B, Hq, D]: row = b * Hq + h
     stride_ob,
     stride_oh,
     Hq,
     S: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     D: tl.constexpr,
+    BJ: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):
+    """Output columns ``BJ * pid(1) ..`` of one row: ``(sum_s w_s acc_r[s]) @ R^T + sum_s w_s acc_p[s]``, normalized."""
     row = tl.program_id(0)
+    j = tl.program_id(1) * BJ + tl.arange(0, BJ)
+    d = tl.arange(0, D)
+    NACC: tl.constexpr = 2 if ROTATE else 1
+    m_max = tl.load(ml_ptr + row * S * 2)
+    for s in range(1, S):
+        m_max = tl.maximum(m_max, tl.load(ml_ptr + (row * S + s) * 2))
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    denom = 0.0
+    rot = tl.zeros((D,), tl.float32)
+    plain = tl.zeros((BJ,), tl.float32)
+    for s in range(S):
+        w = tl.exp2(tl.load(ml_ptr + (row * S + s) * 2) - m_use)
+        denom += w * tl.load(ml_ptr + (row * S + s) * 2 + 1)
+        base = part_ptr + (row * S + s).to(tl.int64) * NACC * D
+        if ROTATE:
+            rot += w * tl.load(base + d)
+            plain += w * tl.load(base + D + j)
+        else:
+            plain += w * tl.load(base + j)
+    if ROTATE:  # acc @ R^T, columns j: sum_d acc[d] * R[j, d]
+        plain += tl.sum(tl.load(rot_ptr + j[:, None] * D + d[None, :]) * rot[None, :], axis=1)
+    out = plain / tl.where(denom > 0, denom, 1.0)
     b = row // Hq
     h = row % Hq
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, D)
-    smask = s < S
-    m = tl.load(ml_ptr + (row * S + s) * 2, mask=smask, other=float("-inf"))
-    lsum = tl.load(ml_ptr + (row * S + s) * 2 + 1, mask=smask, other=0.0)
-    acc = tl.load(part_ptr + (row * S + s)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_use)
-    denom = tl.sum(w * lsum, axis=0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + j, out.to(out_ptr.dtype.element_ty))

@@ -1,12 +1,15 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 # (Triton JIT bodies: their arguments are pointers, tensors and tl.constexpr, typed by Triton itself)
-"""Triton bodies for prefill and chunked prefill: tile dequantization into a workspace, then causal
-flash attention of the new query tokens over the dense workspace.
+"""Triton body of prefill and chunked prefill: causal attention of new query tokens over the packed
+context, the staged tokens and themselves, dequantizing tiles inside the attention loop.
 
-Correct first: the packed context is dequantized (and un-rotated) into a ``[B, Hkv, L, D]``
-workspace once per call, so the attention kernel is a plain variable-length causal kernel. Query
-token ``i`` of a sequence with ``q_len`` new and ``ctx_len`` total tokens sits at position
-``ctx_len - q_len + i`` and sees keys ``0 ..`` that position.
+One program serves ``BLOCK_M // GP`` consecutive new tokens of one sequence times the ``G`` query
+heads of one KV head (``GP`` = ``G`` rounded up to a power of two; row ``r`` is token ``r // GP``,
+head ``r % GP``), so each tile is read once per block of tokens for the whole group. Packed tiles
+stream in sub-blocks of ``BT`` tokens exactly as in decode (:func:`attend_tiles`): no tile is ever
+dequantized whole, no workspace is written. Sequence ``b``'s context, in token order: a sink tile
+(``scheme.sink_tile``), its packed tiles, its tail, its new tokens; query token ``i`` of ``q_len``
+sits at position ``cached + i`` and sees every cached token and new tokens ``0 .. i``.
 """
 
 from __future__ import annotations
@@ -14,117 +17,97 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn.kernels._decode import load_codes, load_offset, load_positive
-
-
-@triton.jit
-def dequant_tiles_kernel(
-    cache_ptr,  # [num_blocks, Hkv, tile_bytes] uint8
-    stride_cb,
-    stride_ch,
-    bt_ptr,  # [B, max_blocks] int32
-    stride_btb,
-    ntiles_ptr,  # [B] int32
-    first_ptr,  # [B] int32: workspace position of each sequence's first packed token
-    rot_ptr,  # [D, D] float32
-    lut_ptr,  # [256] float32
-    ws_k_ptr,  # [B, Hkv, L, D] workspace
-    ws_v_ptr,
-    stride_wb,
-    stride_wh,
-    stride_wl,
-    KB: tl.constexpr,
-    VB: tl.constexpr,
-    T: tl.constexpr,
-    D: tl.constexpr,
-    LOG8: tl.constexpr,
-    ROTATE: tl.constexpr,
-    KC: tl.constexpr,
-    VC: tl.constexpr,
-    KS: tl.constexpr,
-    KO: tl.constexpr,
-    KF: tl.constexpr,
-    VS: tl.constexpr,
-    VO: tl.constexpr,
-    VF: tl.constexpr,
-):
-    b = tl.program_id(0)
-    i = tl.program_id(1)
-    hk = tl.program_id(2)
-    if i < tl.load(ntiles_ptr + b):
-        t = tl.arange(0, T)
-        d = tl.arange(0, D)
-        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + i).to(tl.int64)
-        rec = cache_ptr + blk * stride_cb + hk.to(tl.int64) * stride_ch
-        ks = load_positive(rec + KS, d, lut_ptr, LOG8)
-        k = load_codes(rec + KC, t[:, None], d[None, :], KB, T, D).to(tl.float32) * ks[None, :]
-        k = (k + load_offset(rec + KO, d, ks, LOG8)[None, :]) * load_positive(rec + KF, t, lut_ptr, LOG8)[:, None]
-        vs = load_positive(rec + VS, t, lut_ptr, LOG8)
-        v = load_codes(rec + VC, t[:, None], d[None, :], VB, T, D).to(tl.float32) * vs[:, None]
-        v = (v + load_offset(rec + VO, t, vs, LOG8)[:, None]) * load_positive(rec + VF, d, lut_ptr, LOG8)[None, :]
-        if ROTATE:  # back to the plain domain: x @ R^T
-            rt = tl.load(rot_ptr + d[None, :] * D + d[:, None])
-            k = tl.dot(k, rt, input_precision="ieee")
-            v = tl.dot(v, rt, input_precision="ieee")
-        pos = tl.load(first_ptr + b) + i * T + t
-        dst = b.to(tl.int64) * stride_wb + hk * stride_wh + pos[:, None].to(tl.int64) * stride_wl + d[None, :]
-        tl.store(ws_k_ptr + dst, k.to(ws_k_ptr.dtype.element_ty))
-        tl.store(ws_v_ptr + dst, v.to(ws_v_ptr.dtype.element_ty))
+from kvarn.kernels._decode import NEVER, attend_plain, attend_tiles, rotated_query, slot_of
 
 
 @triton.jit
 def prefill_kernel(
-    q_ptr,  # [total_q, Hq, D]
-    stride_qt,
-    stride_qh,
+    q_ptr, stride_qt, stride_qh,  # [N, Hq, D] unrotated
+    k_ptr, v_ptr, stride_kt, stride_kh,  # [N, Hkv, D] new keys and values, unrotated
     cu_q_ptr,  # [B + 1] int32 query start offsets
-    ctx_len_ptr,  # [B] int32 workspace tokens per sequence (cached + new)
-    ws_k_ptr,  # [B, Hkv, L, D]
-    ws_v_ptr,
-    stride_wb,
-    stride_wh,
-    stride_wl,
-    out_ptr,  # [total_q, Hq, D]
-    stride_ot,
-    stride_oh,
-    qk_scale,  # sm_scale * log2(e)
-    G: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+    cache_ptr, stride_cb, stride_ch,  # [num_blocks, Hkv, tile_bytes] uint8
+    bt_ptr, stride_btb, ntiles_ptr,
+    tail_k_ptr, tail_v_ptr, stride_tb, stride_th, stride_tt, tail_len_ptr, tail_slot_ptr,
+    sink_k_ptr, sink_v_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr, sink_slot_ptr,
+    rot_ptr, lut_ptr,
+    out_ptr, stride_ot, stride_oh,  # [N, Hq, D] (not PARTIAL)
+    part_ptr, ml_ptr,  # PARTIAL (ROTATE): [N * Hq, 1, 2, D], [N * Hq, 1, 2] float32
+    qk_scale,
+    G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
+    KB: tl.constexpr, VB: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
+    BT: tl.constexpr, PT: tl.constexpr, RK: tl.constexpr,
+    LOG8: tl.constexpr, ROTATE: tl.constexpr,
+    HAS_SINK: tl.constexpr, SINK_TOKENS: tl.constexpr, SCAP: tl.constexpr,
+    TAIL_SLOT: tl.constexpr, SINK_SLOT: tl.constexpr,
+    KC: tl.constexpr, VC: tl.constexpr, KS: tl.constexpr, KO: tl.constexpr, KF: tl.constexpr,
+    VS: tl.constexpr, VO: tl.constexpr, VF: tl.constexpr,
+):  # fmt: skip
+    MT: tl.constexpr = BLOCK_M // GP  # new tokens per program
     mb = tl.program_id(0)
     b = tl.program_id(1)
-    hq = tl.program_id(2)
+    hk = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    if mb * BLOCK_M < q_len:
-        ctx = tl.load(ctx_len_ptr + b)
-        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < q_len
+    if mb * MT < q_len:
+        r = tl.arange(0, BLOCK_M)
         d = tl.arange(0, D)
-        q_off = (q_start + rows).to(tl.int64)[:, None] * stride_qt + hq * stride_qh + d[None, :]
-        q = tl.load(q_ptr + q_off, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
-        pos = ctx - q_len + rows  # absolute position of each query token
-        kv = b.to(tl.int64) * stride_wb + (hq // G) * stride_wh
+        tok = mb * MT + r // GP
+        gh = r % GP
+        rmask = (tok < q_len) & (gh < G)
+        tok_idx = (q_start + tl.minimum(tok, q_len - 1)).to(tl.int64)  # clamped: padded rows stay in bounds
+        q_rows = q_ptr + tok_idx[:, None] * stride_qt + (hk * G + gh)[:, None] * stride_qh
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         lsum = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, D), tl.float32)
-        last = tl.minimum(ctx, ctx - q_len + (mb + 1) * BLOCK_M)  # keys beyond the block's last row are masked
-        for start in range(0, last, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            cmask = cols < ctx
-            k = tl.load(ws_k_ptr + kv + cols[None, :] * stride_wl + d[:, None], mask=cmask[None, :], other=0.0)
-            s = tl.dot(q, k.to(tl.float32))
-            s = tl.where(cmask[None, :] & (cols[None, :] <= pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            lsum = lsum * alpha + tl.sum(p, axis=1)
-            v = tl.load(ws_v_ptr + kv + cols[:, None] * stride_wl + d[None, :], mask=cmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
-            m = m_new
-        out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
-        o_off = (q_start + rows).to(tl.int64)[:, None] * stride_ot + hq * stride_oh + d[None, :]
-        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+        acc_r = tl.zeros((BLOCK_M, D), tl.float32)
+        acc_p = tl.zeros((BLOCK_M, D), tl.float32)
+
+        ntiles = tl.load(ntiles_ptr + b)
+        n_sink = 0
+        if HAS_SINK:
+            n_sink = tl.minimum(tl.maximum(tl.load(sink_len_ptr + b), 0), SCAP)
+            if SINK_TOKENS > 0:
+                n_sink = tl.where(ntiles > 0, tl.minimum(n_sink, SINK_TOKENS), 0)
+
+        if ROTATE:
+            qr = rotated_query(q_rows, rmask[:, None], rot_ptr, qk_scale, BLOCK_M, D, RK)
+        else:
+            qr = tl.load(q_rows + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
+        m, lsum, acc_r = attend_tiles(
+            cache_ptr, stride_cb, stride_ch, bt_ptr + b.to(tl.int64) * stride_btb, hk.to(tl.int64), 0, ntiles,
+            n_sink, qr, m, lsum, acc_r, lut_ptr,
+            KB, VB, T, D, BT, LOG8, SINK_TOKENS, KC, VC, KS, KO, KF, VS, VO, VF,
+        )  # fmt: skip
+
+        qs = tl.load(q_rows + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
+        no_limit = tl.full((BLOCK_M,), NEVER, tl.int32)
+        if HAS_SINK:
+            sslot = slot_of(sink_slot_ptr, b, SINK_SLOT)
+            sink = sslot * stride_sb + hk * stride_sh
+            m, lsum, acc_r, acc_p = attend_plain(
+                sink_k_ptr + sink, sink_v_ptr + sink, stride_st, n_sink, no_limit, qs, m, lsum, acc_r, acc_p,
+                PT, D, ROTATE,
+            )  # fmt: skip
+        tslot = slot_of(tail_slot_ptr, b, TAIL_SLOT)
+        tail = tslot * stride_tb + hk * stride_th
+        n_tail = tl.minimum(tl.maximum(tl.load(tail_len_ptr + b), 0), T)
+        m, lsum, acc_r, acc_p = attend_plain(
+            tail_k_ptr + tail, tail_v_ptr + tail, stride_tt, n_tail, no_limit, qs, m, lsum, acc_r, acc_p,
+            PT, D, ROTATE,
+        )  # fmt: skip
+        new = q_start.to(tl.int64) * stride_kt + hk * stride_kh
+        m, lsum, acc_r, acc_p = attend_plain(
+            k_ptr + new, v_ptr + new, stride_kt, tl.minimum(q_len, (mb + 1) * MT), tok, qs, m, lsum, acc_r, acc_p,
+            PT, D, ROTATE,
+        )  # fmt: skip
+
+        hq = hk * G + gh
+        if ROTATE:  # un-rotated by merge_kernel (one split)
+            row = (q_start + tok).to(tl.int64) * (tl.num_programs(2) * G) + hq
+            tl.store(part_ptr + (row * 2)[:, None] * D + d[None, :], acc_r, mask=rmask[:, None])
+            tl.store(part_ptr + (row * 2 + 1)[:, None] * D + d[None, :], acc_p, mask=rmask[:, None])
+            tl.store(ml_ptr + row * 2, m, mask=rmask)
+            tl.store(ml_ptr + row * 2 + 1, lsum, mask=rmask)
+        else:
+            out = acc_r / tl.where(lsum > 0, lsum, 1.0)[:, None]
+            o_rows = (q_start + tok).to(tl.int64)[:, None] * stride_ot + hq[:, None] * stride_oh
+            tl.store(out_ptr + o_rows + d[None, :], out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])

@@ -21,7 +21,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 1
     block_m: int = 16  # query rows per program (prefill only)
-    block_n: int = 32  # keys per inner step (prefill only)
+    block_n: int = 32  # tile tokens unpacked per inner step (decode and prefill)
 
     def launch_kwargs(self) -> dict[str, int]:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -35,18 +35,30 @@ def store_configs(scheme: Scheme, head_dim: int) -> list[KernelConfig]:
 
 
 def decode_configs(scheme: Scheme, head_dim: int, group_q: int) -> list[KernelConfig]:
-    """Decode attention: one program streams the tiles of one (sequence, KV head, split)."""
-    warps = 4 if scheme.group_size * head_dim <= 64 * 128 else 8
-    return [KernelConfig(warps, 2), KernelConfig(warps, 3), KernelConfig(max(4, warps // 2), 2)]
+    """Decode attention: one program streams the tiles of one (sequence, KV head, split).
+
+    ``block_n`` is the sub-block of tile tokens unpacked at once (``BT``): 64 up to head_dim 128,
+    32 at 256, so the bf16 code block ``[BT, D]`` stays at 16 KiB and two or more programs fit on
+    an SM at head_dim 128 (the compile gate's table has the measured registers and occupancy).
+    """
+    bt = min(scheme.group_size, 64 if head_dim <= 128 else 32)
+    return [KernelConfig(4, 2, 16, bt), KernelConfig(4, 3, 16, bt), KernelConfig(8, 2, 16, bt)]
 
 
 def dequant_configs(scheme: Scheme, head_dim: int) -> list[KernelConfig]:
-    """Workspace dequantization for prefill: one program per (tile, KV head)."""
-    warps = 4 if scheme.group_size * head_dim <= 64 * 128 else 8
-    return [KernelConfig(warps, 1), KernelConfig(max(4, warps // 2), 1)]
+    """Unused since prefill dequantizes inside its attention loop; kept for its importers (see prefill_configs)."""
+    return prefill_configs(head_dim)
 
 
 def prefill_configs(head_dim: int) -> list[KernelConfig]:
-    """Prefill attention over the dense workspace: one program per (query block, query head)."""
-    warps = 4 if head_dim <= 64 else 8
-    return [KernelConfig(warps, 2, 64, 64), KernelConfig(4, 3, 32, 64), KernelConfig(warps, 2, 16, 32)]
+    """Prefill: one program per (block of query rows = tokens x query heads of one KV head).
+
+    ``block_m`` is rows per program (at least the group size, rounded up to a power of two, by the
+    launcher); ``block_n`` the tile sub-block ``BT`` as in decode. Rows shrink as head_dim grows
+    so the rotated query and two ``[block_m, D]`` float32 accumulators fit in registers.
+    """
+    if head_dim <= 64:
+        return [KernelConfig(4, 2, 64, 64), KernelConfig(4, 2, 32, 64)]
+    if head_dim <= 128:
+        return [KernelConfig(4, 2, 32, 64), KernelConfig(8, 2, 64, 64)]
+    return [KernelConfig(8, 2, 16, 32), KernelConfig(8, 2, 32, 32)]

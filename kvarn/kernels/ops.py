@@ -7,10 +7,16 @@ Paged cache layout (one layer)::
     block_table  [batch, max_blocks] int32    block ids of each sequence's full tiles, in token order
     num_tiles    [batch] int32                how many entries of block_table are full (quantized) tiles
     tail_k/v     [batch, num_kv_heads, group_size, head_dim] fp16/bf16/fp32, unrotated: the tile
-                                              being filled; tail_lens [batch] int32 valid tokens
-    sink_k/v     same shape as tail, unrotated, exact first tokens of the sequence in rows
-                                              0..sink_lens[b]-1; sink_lens [batch] int32. Required
-                                              when scheme.sink_len > 0, meaning one of:
+                                              being filled; tail_lens [batch] int32 valid tokens.
+                 Or, with tail_slot [batch] int32, the staging POOL [num_slots, num_kv_heads,
+                                              group_size, head_dim] read in place: sequence b reads
+                                              rows 0..tail_lens[b]-1 of tail_k[tail_slot[b]]
+    sink_k/v     [batch, num_kv_heads, R, head_dim] (or with sink_slot the sink POOL
+                                              [num_sink_slots, num_kv_heads, R, head_dim]), unrotated,
+                                              exact first tokens of the sequence in rows
+                                              0..sink_lens[b]-1; R = group_size for a sink tile,
+                                              sink_tokens..group_size for sink tokens; sink_lens
+                                              [batch] int32. Required when scheme.sink_len > 0, one of:
 
 * ``scheme.sink_tile``: the sink is the whole first tile, kept instead of a packed one. A
   sequence's context is, in token order: ``sink_lens`` sink tokens, ``num_tiles`` packed tiles,
@@ -24,7 +30,9 @@ Paged cache layout (one layer)::
 
 :func:`split_lengths` turns context lengths into those counts. Queries and outputs are unrotated;
 kernels rotate the query and un-rotate the output when the scheme rotates. The staging tensors
-(tail, sink) may be any strided views whose last axis is contiguous.
+(tail, sink) may be any strided views whose last axis is contiguous. Slot ids are valid indices
+(the caller passes 0 where a sequence has no row to read). Neither attention op synchronises
+with the host, so decode steps can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -35,11 +43,19 @@ import torch
 import triton
 
 from kvarn.codec.tiles import layout
-from kvarn.kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, KernelArgumentError, check_tensor, log8_table, rotation
-from kvarn.kernels._decode import decode_kernel, split_reduce_kernel
-from kvarn.kernels._prefill import dequant_tiles_kernel, prefill_kernel
+from kvarn.kernels._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    KernelArgumentError,
+    check_staging,
+    check_tensor,
+    log8_table,
+    rotation,
+)
+from kvarn.kernels._decode import decode_kernel, merge_kernel
+from kvarn.kernels._prefill import prefill_kernel
 from kvarn.kernels._store import store_side_kernel
-from kvarn.kernels.configs import KernelConfig, decode_configs, dequant_configs, prefill_configs, store_configs
+from kvarn.kernels.configs import KernelConfig, decode_configs, prefill_configs, store_configs
 from kvarn.schemes.scheme import Scheme
 
 
@@ -151,6 +167,8 @@ def quantize_tiles_triton(keys: torch.Tensor, values: torch.Tensor, scheme: Sche
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 64
 _NOMINAL_SMS = 132  # an H100 SXM; used when no CUDA device is present (interpreter)
+_ROT_CHUNK = 16  # query rotation: channels of R per step (a [16, D] float32 slice of R at a time)
+_MERGE_COLS = 32  # merge kernel: output columns per program (a [32, D] float32 slice of R)
 
 
 def split_lengths(seq_lens: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -185,6 +203,71 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, device: tor
     return max(1, min(math.ceil(2 * sms / programs), max_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
+def _context_args(
+    scheme: Scheme,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_tiles: torch.Tensor,
+    tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+    sink: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    bsz: int,
+    d: int,
+    block_t: int,
+) -> tuple[list[object], dict[str, object]]:
+    """Checks the tail and sink (per sequence or pools) and returns the shared kernel arguments.
+
+    Positional: cache, block table, tiles, tail pool, sink pool, rotation, log8 table; keywords: the
+    scheme's constexprs. Missing sink or slot tensors are replaced by any valid pointer (unread).
+    """
+    dev, t, hkv = cache.device, scheme.group_size, cache.shape[1]
+    tail_k, tail_v, tail_lens, tail_slot = tail
+    sink_k, sink_v, sink_lens, sink_slot = sink
+    check_staging("tail", tail_k, tail_v, tail_lens, tail_slot, bsz, hkv, d, dev, (t, t))
+    if sink_k is None and scheme.sink_len:
+        kept = "a sink tile" if scheme.sink_tile else f"its first {scheme.sink_tokens} tokens exactly"
+        raise KernelArgumentError(f"scheme {scheme.name} keeps {kept}: pass sink_k, sink_v and sink_lens")
+    if (sink_k is None) != (sink_v is None) or (sink_k is None) != (sink_lens is None):
+        raise KernelArgumentError("sink_k, sink_v and sink_lens go together")
+    if sink_slot is not None and sink_k is None:
+        raise KernelArgumentError("sink_slot without sink_k, sink_v and sink_lens")
+    if sink_k is not None and sink_v is not None and sink_lens is not None:
+        rows = (t, t) if scheme.sink_tile else (max(scheme.sink_tokens, 1), t)
+        check_staging("sink", sink_k, sink_v, sink_lens, sink_slot, bsz, hkv, d, dev, rows)
+        sk, sv, sl = sink_k, sink_v, sink_lens
+    else:  # the kernel ignores these (HAS_SINK=False); any valid pointers do
+        sk, sv, sl = tail_k, tail_v, tail_lens
+    if cache.data_ptr() % 4:
+        raise KernelArgumentError("cache must start on a 4-byte boundary (codes are read as int32 words)")
+    lay = layout(scheme, d)
+    args: list[object] = [
+        cache, cache.stride(0), cache.stride(1), block_table, block_table.stride(0), num_tiles,
+        tail_k, tail_v, tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_lens,
+        tail_slot if tail_slot is not None else tail_lens,
+        sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), sl, sink_slot if sink_slot is not None else sl,
+        rotation(scheme.rotation, d, dev), log8_table(dev),
+    ]  # fmt: skip
+    consts: dict[str, object] = dict(
+        KB=scheme.key_bits, VB=scheme.value_bits, T=t, D=d,
+        BT=min(block_t, t), PT=max(16, min(64, 4096 // d)), RK=_ROT_CHUNK,
+        LOG8=scheme.scale_dtype == "log8", ROTATE=scheme.rotation != "none",
+        HAS_SINK=sink_k is not None, SINK_TOKENS=scheme.sink_tokens, SCAP=sk.shape[2],
+        TAIL_SLOT=tail_slot is not None, SINK_SLOT=sink_slot is not None,
+        KC=lay.key_codes, VC=lay.value_codes, KS=lay.key_scale, KO=lay.key_offset, KF=lay.key_factor,
+        VS=lay.value_scale, VO=lay.value_offset, VF=lay.value_factor,
+    )  # fmt: skip
+    return args, consts
+
+
+def _merge(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, scheme: Scheme, hq: int) -> None:
+    """Combine the split partials ``part`` ``[rows, S, NACC, D]`` into ``out`` ``[rows / hq, hq, D]``, un-rotating."""
+    rows, splits, _, d = part.shape
+    cols = min(d, _MERGE_COLS)
+    merge_kernel[(rows, d // cols)](
+        part, ml, rotation(scheme.rotation, d, part.device), out, out.stride(0), out.stride(1), hq,
+        S=splits, D=d, BJ=cols, ROTATE=scheme.rotation != "none", num_warps=4,
+    )  # fmt: skip
+
+
 def decode_attention(
     query: torch.Tensor,
     cache: torch.Tensor,
@@ -195,9 +278,11 @@ def decode_attention(
     tail_lens: torch.Tensor,
     scheme: Scheme,
     *,
+    tail_slot: torch.Tensor | None = None,
     sink_k: torch.Tensor | None = None,
     sink_v: torch.Tensor | None = None,
     sink_lens: torch.Tensor | None = None,
+    sink_slot: torch.Tensor | None = None,
     sm_scale: float | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
@@ -205,20 +290,27 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged, packed context.
 
+    No host synchronisation (nothing reads device values on the host), so a decode step can be
+    captured in a CUDA graph; it allocates only the split partials (rotating schemes or split-K).
+
     Args:
         query: ``[B, num_q_heads, D]`` fp16/bf16/fp32, unrotated; query head ``h`` reads KV head
             ``h // (num_q_heads // num_kv_heads)``.
-        cache: ``[num_blocks, num_kv_heads, tile_bytes]`` uint8.
+        cache: ``[num_blocks, num_kv_heads, tile_bytes]`` uint8, 4-byte aligned.
         block_table: ``[B, max_blocks]`` int32; the first ``num_tiles[b]`` entries are read.
         num_tiles: ``[B]`` int32 full tiles per sequence.
-        tail_k, tail_v: ``[B, num_kv_heads, group_size, D]`` fp16/bf16/fp32, unrotated, last axis
-            contiguous, same strides; ``tail_lens`` ``[B]`` int32 valid tokens (0..group_size).
+        tail_k, tail_v: unrotated staged tokens, fp16/bf16/fp32, last axis contiguous, same
+            strides: ``[B, num_kv_heads, group_size, D]`` per sequence, or with ``tail_slot`` the
+            staging pool ``[num_slots, num_kv_heads, group_size, D]``.
+        tail_lens: ``[B]`` int32 valid rows (0..group_size; the new token is already counted).
         scheme: a scheme without per-layer overrides.
-        sink_k, sink_v, sink_lens: exact first tokens, shaped like the tail; required when
-            ``scheme.sink_len > 0``. The sink tile (``scheme.sink_tile``), attended before the
-            packed tiles; or copies of the first ``scheme.sink_tokens`` tokens, used instead of
-            positions ``< min(sink_lens[b], sink_tokens)`` of tile ``block_table[b, 0]`` and
-            ignored while ``num_tiles[b] == 0`` (see the module docstring).
+        tail_slot: ``[B]`` int32 pool slot of each sequence (any valid index when its tail is empty).
+        sink_k, sink_v, sink_lens: exact first tokens, required when ``scheme.sink_len > 0``:
+            ``[B, num_kv_heads, R, D]`` per sequence, or with ``sink_slot`` (``[B]`` int32) the sink
+            pool ``[num_sink_slots, num_kv_heads, R, D]``; ``R`` = group_size for a sink tile,
+            ``sink_tokens .. group_size`` for sink tokens. The sink tile is attended before the
+            packed tiles; sink-token copies replace positions ``< min(sink_lens[b], sink_tokens)``
+            of tile ``block_table[b, 0]`` and are ignored while ``num_tiles[b] == 0``.
         sm_scale: softmax scale, default ``1/sqrt(D)``.
         num_splits: split-K factor; default :func:`choose_num_splits` (1 = no split).
         out: optional ``[B, num_q_heads, D]`` output buffer.
@@ -232,7 +324,7 @@ def decode_attention(
         raise KernelArgumentError(f"query must be [batch, num_q_heads, head_dim], got {list(query.shape)}")
     bsz, hq, d = query.shape
     _check_scheme(scheme, d)
-    dev, t = query.device, scheme.group_size
+    dev = query.device
     check_tensor("query", query, (bsz, hq, d), FLOAT_DTYPES, dev)
     if cache.dim() != 3:
         raise KernelArgumentError(f"cache must be [num_blocks, num_kv_heads, tile_bytes], got {list(cache.shape)}")
@@ -242,13 +334,12 @@ def decode_attention(
     _check_cache(cache, scheme, hkv, d, dev)
     check_tensor("block_table", block_table, (bsz, None), (torch.int32,), dev)
     check_tensor("num_tiles", num_tiles, (bsz,), (torch.int32,), dev)
-    _check_staging("tail", tail_k, tail_v, tail_lens, bsz, hkv, t, d, dev)
-    _check_sink(scheme, sink_k, sink_v, sink_lens, bsz, hkv, d, dev)
-    if sink_k is not None and sink_v is not None and sink_lens is not None:
-        sk, sv, sl = sink_k, sink_v, sink_lens
-    else:  # the kernel ignores these (HAS_SINK=False); any valid pointers do
-        sk, sv, sl = tail_k, tail_v, tail_lens
-    has_sink = sink_k is not None
+    group = hq // hkv
+    cfg = config or decode_configs(scheme, d, group)[0]
+    args, consts = _context_args(
+        scheme, cache, block_table, num_tiles, (tail_k, tail_v, tail_lens, tail_slot),
+        (sink_k, sink_v, sink_lens, sink_slot), bsz, d, cfg.block_n,
+    )  # fmt: skip
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     check_tensor("out", out, (bsz, hq, d), FLOAT_DTYPES, dev)
@@ -257,79 +348,21 @@ def decode_attention(
         raise KernelArgumentError(f"num_splits={splits} must be in 1..1024")
     if bsz == 0:
         return out
-    group = hq // hkv
-    lay = layout(scheme, d)
-    cfg = config or decode_configs(scheme, d, group)[0]
-    if splits > 1:
-        part = torch.empty(bsz * hq, splits, d, dtype=torch.float32, device=dev)
+    partial = splits > 1 or scheme.rotation != "none"
+    if partial:
+        part = torch.empty(bsz * hq, splits, 2 if scheme.rotation != "none" else 1, d, dtype=torch.float32, device=dev)
         ml = torch.empty(bsz * hq, splits, 2, dtype=torch.float32, device=dev)
-        dst, sob, soh = part, 0, 0
     else:
-        part = ml = out  # ml unused without splits
-        dst, sob, soh = out, out.stride(0), out.stride(1)
+        part = ml = out  # unused
     decode_kernel[(bsz, hkv, splits)](
-        query, query.stride(0), query.stride(1),
-        cache, cache.stride(0), cache.stride(1),
-        block_table, block_table.stride(0), num_tiles,
-        tail_k, tail_v, tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_lens,
-        sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), sl,
-        rotation(scheme.rotation, d, dev), log8_table(dev),
-        dst, ml, sob, soh,
+        query, query.stride(0), query.stride(1), *args, out, out.stride(0), out.stride(1), part, ml,
         (sm_scale if sm_scale is not None else d**-0.5) * math.log2(math.e),
-        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), S=splits,
-        KB=scheme.key_bits, VB=scheme.value_bits, T=t, D=d,
-        LOG8=scheme.scale_dtype == "log8", ROTATE=scheme.rotation != "none", HAS_SINK=has_sink,
-        SINK_TOKENS=scheme.sink_tokens,
-        KC=lay.key_codes, VC=lay.value_codes, KS=lay.key_scale, KO=lay.key_offset, KF=lay.key_factor,
-        VS=lay.value_scale, VO=lay.value_offset, VF=lay.value_factor,
+        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), S=splits, PARTIAL=partial, **consts,
         **cfg.launch_kwargs(),
     )  # fmt: skip
-    if splits > 1:
-        split_reduce_kernel[(bsz * hq,)](
-            part, ml, out, out.stride(0), out.stride(1), hq,
-            S=splits, BLOCK_S=triton.next_power_of_2(splits), D=d,
-        )  # fmt: skip
+    if partial:
+        _merge(part, ml, out, scheme, hq)
     return out
-
-
-def _check_sink(
-    scheme: Scheme,
-    sink_k: torch.Tensor | None,
-    sink_v: torch.Tensor | None,
-    sink_lens: torch.Tensor | None,
-    bsz: int,
-    hkv: int,
-    d: int,
-    dev: torch.device,
-) -> None:
-    """The sink arguments: required by a scheme with a sink, all three or none, staging-shaped."""
-    if sink_k is None and scheme.sink_len:
-        kept = "a sink tile" if scheme.sink_tile else f"its first {scheme.sink_tokens} tokens exactly"
-        raise KernelArgumentError(f"scheme {scheme.name} keeps {kept}: pass sink_k, sink_v and sink_lens")
-    if (sink_k is None) != (sink_v is None) or (sink_k is None) != (sink_lens is None):
-        raise KernelArgumentError("sink_k, sink_v and sink_lens go together")
-    if sink_k is not None and sink_v is not None and sink_lens is not None:
-        _check_staging("sink", sink_k, sink_v, sink_lens, bsz, hkv, scheme.group_size, d, dev)
-
-
-def _check_staging(
-    name: str,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lens: torch.Tensor,
-    bsz: int,
-    hkv: int,
-    t: int,
-    d: int,
-    dev: torch.device,
-) -> None:
-    check_tensor(f"{name}_k", k, (bsz, hkv, t, d), FLOAT_DTYPES, dev)
-    check_tensor(f"{name}_v", v, (bsz, hkv, t, d), (k.dtype,), dev)
-    check_tensor(f"{name}_lens", lens, (bsz,), (torch.int32,), dev)
-    if k.stride() != v.stride():
-        raise KernelArgumentError(
-            f"{name}_k and {name}_v must have the same strides, got {k.stride()} and {v.stride()}"
-        )
 
 
 def prefill_attention(
@@ -345,10 +378,13 @@ def prefill_attention(
     tail_lens: torch.Tensor,
     scheme: Scheme,
     *,
+    tail_slot: torch.Tensor | None = None,
     sink_k: torch.Tensor | None = None,
     sink_v: torch.Tensor | None = None,
     sink_lens: torch.Tensor | None = None,
+    sink_slot: torch.Tensor | None = None,
     sm_scale: float | None = None,
+    max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
@@ -356,18 +392,22 @@ def prefill_attention(
 
     The cached context of sequence ``b`` is described exactly as for :func:`decode_attention`
     (sink, ``num_tiles[b]`` packed tiles, ``tail_lens[b]`` tail tokens; all zero for a first
-    chunk); the new tokens follow it. Packed tiles are dequantized into a workspace of
-    ``query.dtype`` (``[B, Hkv, L, D]``, ``L`` the longest context): correct first, not fused.
-    In-tile sink copies (``scheme.sink_tokens``) then overwrite tile 0's first positions there.
+    chunk); the new tokens follow it. Tiles are dequantized inside the attention loop, a sub-block
+    of tokens at a time; nothing is written but the output (and, for rotating schemes, the
+    ``[total_q * num_q_heads, 2, D]`` float32 accumulators that the merge kernel un-rotates).
+    No host synchronisation either: the grid's first axis covers ``max_query_len`` new tokens
+    per sequence, ``total_q`` when not given (correct, but launches idle programs for batches of
+    many short sequences: pass it when the host knows it, as vLLM's metadata does).
 
     Args:
         query: ``[total_q, num_q_heads, D]`` new tokens of all sequences, packed by sequence.
-        key, value: ``[total_q, num_kv_heads, D]`` their keys and values (unrotated).
+        key, value: ``[total_q, num_kv_heads, D]`` their keys and values (unrotated), same dtype.
         cu_seqlens_q: ``[B + 1]`` int32 start offsets of each sequence's tokens in ``query``.
-        cache, block_table, num_tiles, tail_k, tail_v, tail_lens, scheme, sink_k, sink_v,
-            sink_lens, sm_scale: as in :func:`decode_attention`.
+        cache, block_table, num_tiles, tail_k, tail_v, tail_lens, scheme, tail_slot, sink_k,
+            sink_v, sink_lens, sink_slot, sm_scale: as in :func:`decode_attention`.
+        max_query_len: the most new tokens of any sequence (an upper bound is fine).
         out: optional ``[total_q, num_q_heads, D]`` output.
-        config: launch options of the attention kernel (``configs.prefill_configs``).
+        config: launch options (``configs.prefill_configs``).
 
     Returns:
         ``[total_q, num_q_heads, D]`` in ``query``'s dtype.
@@ -378,12 +418,14 @@ def prefill_attention(
         )
     total, hq, d = query.shape
     _check_scheme(scheme, d)
-    dev, t, hkv = query.device, scheme.group_size, key.shape[1]
+    dev, hkv = query.device, key.shape[1]
     if hq % hkv:
         raise KernelArgumentError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
     check_tensor("query", query, (total, hq, d), FLOAT_DTYPES, dev)
     check_tensor("key", key, (total, hkv, d), FLOAT_DTYPES, dev)
     check_tensor("value", value, (total, hkv, d), (key.dtype,), dev)
+    if key.stride() != value.stride():
+        raise KernelArgumentError(f"key and value must have the same strides, got {key.stride()} and {value.stride()}")
     check_tensor("cu_seqlens_q", cu_seqlens_q, (None,), (torch.int32,), dev)
     bsz = cu_seqlens_q.shape[0] - 1
     if bsz < 0:
@@ -391,60 +433,34 @@ def prefill_attention(
     _check_cache(cache, scheme, hkv, d, dev)
     check_tensor("block_table", block_table, (bsz, None), (torch.int32,), dev)
     check_tensor("num_tiles", num_tiles, (bsz,), (torch.int32,), dev)
-    _check_staging("tail", tail_k, tail_v, tail_lens, bsz, hkv, t, d, dev)
-    _check_sink(scheme, sink_k, sink_v, sink_lens, bsz, hkv, d, dev)
+    cfg = config or prefill_configs(d)[0]
+    args, consts = _context_args(
+        scheme, cache, block_table, num_tiles, (tail_k, tail_v, tail_lens, tail_slot),
+        (sink_k, sink_v, sink_lens, sink_slot), bsz, d, cfg.block_n,
+    )  # fmt: skip
     if out is None:
         out = torch.empty(total, hq, d, dtype=query.dtype, device=dev)
     check_tensor("out", out, (total, hq, d), FLOAT_DTYPES, dev)
-    if bsz == 0 or total == 0:
+    if max_query_len is not None and max_query_len < 0:
+        raise KernelArgumentError(f"max_query_len={max_query_len} must be >= 0")
+    q_max = min(total, max_query_len if max_query_len is not None else total)
+    if bsz == 0 or q_max == 0:
         return out
-    # host-side lengths: prefill is not captured in CUDA graphs, and the workspace needs them
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
-    sinks = sink_lens.tolist() if sink_lens is not None else [0] * bsz
-    tiles, tails = num_tiles.tolist(), tail_lens.tolist()
-    if scheme.sink_tokens:  # copies inside tile 0 (clamped, none before it is packed); no tokens ahead of it
-        copies = [min(max(s, 0), scheme.sink_tokens) if n else 0 for s, n in zip(sinks, tiles, strict=True)]
-        ahead = [0] * bsz
-    else:  # a sink tile (or none) sits ahead of the packed tiles
-        copies = ahead = sinks
-    cached = [s + n * t + r for s, n, r in zip(ahead, tiles, tails, strict=True)]
-    ctx = [c + n for c, n in zip(cached, q_lens, strict=True)]
-    ws_k = torch.zeros(bsz, hkv, max(max(ctx), 1), d, dtype=query.dtype, device=dev)
-    ws_v = torch.zeros_like(ws_k)
-    starts = cu_seqlens_q.tolist()
-    for b in range(bsz):  # unquantized pieces after the packed tiles: tail, new tokens
-        p0 = ahead[b] + tiles[b] * t
-        ws_k[b, :, p0 : cached[b]] = tail_k[b, :, : tails[b]]
-        ws_v[b, :, p0 : cached[b]] = tail_v[b, :, : tails[b]]
-        ws_k[b, :, cached[b] : ctx[b]] = key[starts[b] : starts[b + 1]].transpose(0, 1)
-        ws_v[b, :, cached[b] : ctx[b]] = value[starts[b] : starts[b + 1]].transpose(0, 1)
-    max_tiles = max(tiles)
-    if max_tiles:
-        lay = layout(scheme, d)
-        first = torch.tensor(ahead, dtype=torch.int32, device=dev)
-        dequant_tiles_kernel[(bsz, max_tiles, hkv)](
-            cache, cache.stride(0), cache.stride(1), block_table, block_table.stride(0), num_tiles, first,
-            rotation(scheme.rotation, d, dev), log8_table(dev),
-            ws_k, ws_v, ws_k.stride(0), ws_k.stride(1), ws_k.stride(2),
-            KB=scheme.key_bits, VB=scheme.value_bits, T=t, D=d,
-            LOG8=scheme.scale_dtype == "log8", ROTATE=scheme.rotation != "none",
-            KC=lay.key_codes, VC=lay.value_codes, KS=lay.key_scale, KO=lay.key_offset, KF=lay.key_factor,
-            VS=lay.value_scale, VO=lay.value_offset, VF=lay.value_factor,
-            **dequant_configs(scheme, d)[0].launch_kwargs(),
-        )  # fmt: skip
-    # sink rows, after dequantization (same stream): the sink tile ahead of the tiles, or exact copies
-    # over tile 0's first tokens
-    for b, s0 in enumerate(copies):
-        if s0 and sink_k is not None and sink_v is not None:
-            ws_k[b, :, :s0], ws_v[b, :, :s0] = sink_k[b, :, :s0], sink_v[b, :, :s0]
-    cfg = config or prefill_configs(d)[0]
-    ctx_t = torch.tensor(ctx, dtype=torch.int32, device=dev)
-    prefill_kernel[(triton.cdiv(max(q_lens), cfg.block_m), bsz, hq)](
-        query, query.stride(0), query.stride(1), cu_seqlens_q, ctx_t,
-        ws_k, ws_v, ws_k.stride(0), ws_k.stride(1), ws_k.stride(2),
-        out, out.stride(0), out.stride(1),
+    group = hq // hkv
+    gp = triton.next_power_of_2(group)
+    block_m = max(cfg.block_m, gp)
+    rotate = scheme.rotation != "none"
+    if rotate:
+        part = torch.empty(total * hq, 1, 2, d, dtype=torch.float32, device=dev)
+        ml = torch.empty(total * hq, 1, 2, dtype=torch.float32, device=dev)
+    else:
+        part = ml = out  # unused
+    prefill_kernel[(triton.cdiv(q_max, block_m // gp), bsz, hkv)](
+        query, query.stride(0), query.stride(1), key, value, key.stride(0), key.stride(1), cu_seqlens_q,
+        *args, out, out.stride(0), out.stride(1), part, ml,
         (sm_scale if sm_scale is not None else d**-0.5) * math.log2(math.e),
-        G=hq // hkv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        **cfg.launch_kwargs(),
+        G=group, GP=gp, BLOCK_M=block_m, **consts, **cfg.launch_kwargs(),
     )  # fmt: skip
+    if rotate:
+        _merge(part, ml, out, scheme, hq)
     return out

@@ -149,8 +149,10 @@ def test_decode_sink_tokens_require_sink_arguments() -> None:
     with pytest.raises(KernelArgumentError, match="go together"):
         decode_attention(*args, sink_k=pb.sink_k, sink_v=pb.sink_v)
     assert pb.sink_k is not None
-    with pytest.raises(KernelArgumentError, match="sink_k must have shape"):
+    with pytest.raises(KernelArgumentError, match="sink_v must have shape"):
         decode_attention(*args, sink_k=pb.sink_k[:, :, :2], sink_v=pb.sink_v, sink_lens=pb.sink_lens)
+    with pytest.raises(KernelArgumentError, match="sink_k holds 1 tokens per slot"):
+        decode_attention(*args, sink_k=pb.sink_k[:, :, :1], sink_v=pb.sink_v[:, :, :1], sink_lens=pb.sink_lens)
 
 
 @pytest.mark.gpu
