@@ -161,7 +161,7 @@ class KVarNCache(Cache):
         Each entry: ``layers``, ``context`` (tokens of the sequence), ``held_tokens`` (per layer,
         summed over the type's layers), ``bytes`` (as stored: packed records, baselines' honest
         bytes and unquantized numbers at ``unquantized_bits``), ``fp16_bytes`` (the same held
-        numbers at 16 bits), ``bits_per_element``.
+        numbers at 16 bits), ``bits_per_element`` (NaN for a layer type that holds nothing yet).
 
         Raises:
             ValueError: the cache is empty.
@@ -173,7 +173,7 @@ class KVarNCache(Cache):
         out: dict[str, dict[str, float]] = {}
         for t, layers in groups.items():
             held = sum(layer.quantized_elements() + layer.unquantized_elements() for layer in layers)
-            bits = _bits(layers, unquantized_bits)
+            bits = _bits(layers, unquantized_bits) if held or t == "all" else float("nan")
             out[t] = {
                 "layers": len(layers),
                 "context": self.get_seq_length(),

@@ -12,8 +12,12 @@ Example:
     >>> g = cache_geometry(Gemma3TextConfig(num_hidden_layers=6, sliding_window=512, num_key_value_heads=1))
     >>> g.count("sliding_attention"), g.count("full_attention"), g.head_dim
     (5, 1, 256)
-    >>> round(g.bits_per_element(Scheme.from_name("kvarn_k4v2_g128"), context=4096), 4)
-    5.3871
+    >>> s = Scheme.from_name("kvarn_k4v2_g128")  # 3.28 bits/element at head_dim 256
+    >>> round(g.bits_per_element(s, context=4096), 2), round(g.bits_per_element(s, context=32768), 2)
+    (8.17, 4.2)
+
+With sliding layers left 16-bit, the saving grows with the context: the full-attention layers'
+share of the held tokens does.
 """
 
 from __future__ import annotations

@@ -218,16 +218,16 @@ def test_errors_name_the_problem() -> None:
     assert "fp16" in str(e.value) and "kvarn_k4v2_g128" in str(e.value)
     with pytest.raises(SchemeError, match="head_dim"):
         KVarNCache("kvarn_k4v2_g128", tiny_config(head_dim=32))
-    sliding = SimpleNamespace(
+    hybrid = SimpleNamespace(
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=64,
         hidden_size=128,
-        layer_types=["full_attention", "sliding_attention"],
+        layer_types=["full_attention", "linear_attention"],
     )
-    with pytest.raises(ValueError, match="sliding_attention"):
-        KVarNCache("kvarn_k4v2_g128", sliding)
+    with pytest.raises(ValueError, match="full_attention, sliding_attention; this model also has linear_attention"):
+        KVarNCache("kvarn_k4v2_g128", hybrid)
     cache = KVarNCache("kvarn_k4v2_g128", tiny_config())
     with pytest.raises(NotImplementedError, match="beam"):
         cache.reorder_cache(torch.tensor([0]))
