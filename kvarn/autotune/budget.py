@@ -31,7 +31,10 @@ class BudgetError(ValueError):
 
 
 class Measurement(Protocol):
-    """What the tuner reads from an evaluation (``kvarn.eval.harness.EvalResult`` satisfies it)."""
+    """What the tuner reads from an evaluation (``kvarn.eval.harness.EvalResult`` satisfies it).
+
+    ``delta_ppl_pct_ci`` and ``kl_ci`` (``[low, high]`` bootstrap intervals) are read when present.
+    """
 
     ppl: float
     delta_ppl_pct: float
@@ -85,6 +88,19 @@ class Budget:
         if m.greedy_agreement_tokens is None:
             raise BudgetError("a greedy budget needs a measurement with greedy agreement (evaluate with greedy=True)")
         return float(m.greedy_agreement_tokens)
+
+    def interval(self, m: Measurement | Any) -> tuple[float, float] | None:
+        """The metric's confidence interval in ``m`` (``[low, high]``), or None if it has none
+        (greedy agreement; measurements made without intervals)."""
+        ci = {"ppl": "delta_ppl_pct_ci", "kl": "kl_ci"}.get(self.metric)
+        got = getattr(m, ci, None) if ci else None
+        return None if got is None else (float(got[0]), float(got[1]))
+
+    def bound(self, m: Measurement | Any) -> float:
+        """The conservative end of the metric: the interval's upper end for ``ppl`` and ``kl``
+        (a one-sided 95% upper confidence bound), else the point value."""
+        ci = self.interval(m)
+        return self.value(m) if ci is None else ci[1]
 
     def violation(self, value: float) -> float:
         """Optuna constraint value: ``<= 0`` meets the budget, larger is worse."""

@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--prune-slack", type=float, default=2.0, help="prune when the partial metric exceeds slack x budget"
     )
     p.add_argument("--sensitivity-tokens", type=int, default=256, help="tokens per layer probe (0: no pass)")
+    p.add_argument(
+        "--feasibility",
+        choices=("bound", "point"),
+        default="bound",
+        help="bound (default): a trial meets the budget when the upper end of its metric's 90%% chunk-bootstrap "
+        "interval does; point: when its point estimate does (holds less often on unseen text)",
+    )
     p.add_argument("--confirm", type=int, default=3, help="candidates tried on held-out text, fewest bits first")
     p.add_argument("--compare", default="", help="comma list of presets/baselines to measure for the plot")
     p.add_argument("--cache-dir", type=Path, help="sensitivity cache (default <kvarn cache>/sensitivity)")
@@ -164,6 +171,7 @@ def _config(args: argparse.Namespace) -> TuneConfig | str:
         progress=not args.quiet,
         device=args.device,
         dtype=args.dtype,
+        feasibility=args.feasibility,
     )
 
 

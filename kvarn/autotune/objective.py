@@ -10,8 +10,12 @@ where it can matter:
 3. a partial evaluation on the first ``prune_tokens`` tokens is reported to the study's pruner
    (:class:`optuna.pruners.ThresholdPruner` at ``prune_slack`` x the budget), which stops trials that
    are already far outside the budget;
-4. the full evaluation sets the constraint with ``trial.set_constraint`` (Optuna 5): the metric's
-   distance to the budget, ``<= 0`` feasible. Constraint-aware samplers (TPE) read it from there.
+4. the full evaluation sets the constraint with ``trial.set_constraint`` (Optuna 5): the distance
+   of the metric's upper confidence bound (``feasibility='bound'``, default: the upper end of a
+   90% chunk-bootstrap interval, see :mod:`kvarn.eval.metrics`) or of its point value
+   (``'point'``) to the budget, ``<= 0`` feasible. Constraint-aware samplers (TPE) read it there.
+   A point estimate just inside the budget is about as likely as not to exceed it on other text
+   of the same kind; the bound leaves room for that sampling error.
 
 The value returned is the scheme's bits per element: per-layer overrides included, and a sink
 (tile or exact tokens) spread over ``context`` tokens, a per-sequence cost that a figure of the
@@ -33,6 +37,7 @@ from kvarn.schemes import Scheme
 
 CONSTRAINT = "budget"
 MEASURE_KEYS = ("ppl", "delta_ppl_pct", "kl", "top1_agreement", "greedy_agreement_tokens", "tokens", "seconds")
+INTERVAL_KEYS = ("delta_ppl_pct_ci", "kl_ci")  # [low, high] bootstrap intervals, when measured
 
 
 class EvaluatorLike(Protocol):
@@ -53,6 +58,9 @@ def measurement_dict(result: Measurement | Any) -> dict[str, Any]:
     for k in MEASURE_KEYS:
         v = src.get(k)
         out[k] = None if v is None else (int(v) if k in ("greedy_agreement_tokens", "tokens") else float(v))
+    for k in INTERVAL_KEYS:
+        if src.get(k) is not None:
+            out[k] = [float(x) for x in src[k]]
     return out
 
 
@@ -64,7 +72,18 @@ class _Dict:
 
 
 def metric_of(budget: Budget, m: dict[str, Any]) -> float:
+    """The point value of the budgeted metric in a measurement dict."""
     return budget.value(_Dict(m))  # type: ignore[arg-type]
+
+
+def bound_of(budget: Budget, m: dict[str, Any]) -> float:
+    """The conservative end of the budgeted metric (see :meth:`Budget.bound`)."""
+    return budget.bound(_Dict(m))
+
+
+def interval_of(budget: Budget, m: dict[str, Any] | None) -> tuple[float, float] | None:
+    """The budgeted metric's confidence interval in a measurement dict, if it has one."""
+    return None if m is None else budget.interval(_Dict(m))
 
 
 def best_feasible(trials: list[FrozenTrial]) -> FrozenTrial | None:
@@ -102,6 +121,7 @@ class Objective:
     chunk: int = 128
     tokens: int | None = None  # the evaluator's length; a partial evaluation must stay below it
     context: int | None = None  # sequence length the sink cost is spread over (None: not counted)
+    feasibility: str = "bound"  # "bound": upper confidence bound within budget; "point": the estimate
     bits_of: Callable[[Scheme], float] | None = None  # bits of a model with sliding layers (see tuner.layer_mix_bits)
 
     def __post_init__(self) -> None:
@@ -181,7 +201,9 @@ class Objective:
         else:
             trial.set_user_attr("status", "cached: same scheme as an earlier trial")
         value = metric_of(self.budget, measured)
+        decided = bound_of(self.budget, measured) if self.feasibility == "bound" else value
         trial.set_user_attr("calib", measured)
         trial.set_user_attr("metric", value)
-        trial.set_constraint(CONSTRAINT, self.budget.violation(value))
+        trial.set_user_attr("decided_by", decided)
+        trial.set_constraint(CONSTRAINT, self.budget.violation(decided))
         return bits

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvarn.autotune.tuner import Candidate, TuneResult
+from kvarn.autotune.tuner import Candidate, TuneResult, fmt_ci
 from kvarn.schemes import Preset, Scheme, save_preset
 
 
@@ -55,6 +55,10 @@ def provenance(res: TuneResult, c: Candidate, text_source: str) -> dict[str, Any
         "compression": round(16.0 / c.bits, 4),
         "calibration": dict(c.calib or {}),
         "heldout": dict(c.heldout or {}),
+        "feasibility": res.config.get("feasibility", "point"),
+        "confidence": res.config.get("confidence"),
+        "calibration_interval": None if c.calib_ci is None else [round(x, 6) for x in c.calib_ci],
+        "heldout_interval": None if c.heldout_ci is None else [round(x, 6) for x in c.heldout_ci],
         "meets_budget_on_heldout": bool(c.meets_heldout),
         "trials": len(res.trials),
         "seed": res.config["seed"],
@@ -92,13 +96,14 @@ def summary_table(res: TuneResult) -> str:
     lines = [
         f"kvarn-tune {res.config['model']} budget {res.config['budget']['text']} ({metric}), "
         f"{len(res.trials)} trials, {res.seconds:.0f} s, study {res.study_name}",
-        f"{'role':<10} {'bits/el':>8} {'x fp16':>7} {'calib':>9} {'held-out':>9}  scheme",
+        f"{'role':<10} {'bits/el':>8} {'x fp16':>7} {'calib':>9} {'calib 90% CI':>18} {'held-out':>9} "
+        f"{'held-out 90% CI':>18}  scheme",
     ]
 
     def row(role: str, c: Candidate) -> str:
         return (
-            f"{role:<10} {c.bits:>8.4f} {16 / c.bits:>7.2f} {_fmt(c.calib_metric):>9} {_fmt(c.heldout_metric):>9}  "
-            f"{c.scheme}"
+            f"{role:<10} {c.bits:>8.4f} {16 / c.bits:>7.2f} {_fmt(c.calib_metric):>9} {fmt_ci(c.calib_ci):>18} "
+            f"{_fmt(c.heldout_metric):>9} {fmt_ci(c.heldout_ci):>18}  {c.scheme}"
         )
 
     for c in res.front:
@@ -106,9 +111,13 @@ def summary_table(res: TuneResult) -> str:
     for c in res.confirmed:
         lines.append(row("winner" if c is res.winner else "rejected", c))
     for r in res.references:
+        ci = fmt_ci(r.get("interval"))
         lines.append(
-            f"{'reference':<10} {r['bits']:>8.4f} {16 / r['bits']:>7.2f} {'-':>9} {_fmt(r['metric']):>9}  {r['name']}"
+            f"{'reference':<10} {r['bits']:>8.4f} {16 / r['bits']:>7.2f} {'-':>9} {'':>18} {_fmt(r['metric']):>9} "
+            f"{ci:>18}  {r['name']}"
         )
+    if res.config.get("feasibility") == "bound":
+        lines.append("feasible on calibration = the upper end of the 90% CI (chunk bootstrap) within the budget")
     if res.extra:
         lines.append("time (s): " + ", ".join(f"{k.removesuffix('_seconds')} {v}" for k, v in res.extra.items()))
     lines.append(("OK: " if res.exit_code == 0 else "FAILED: ") + res.message)

@@ -7,6 +7,10 @@ Data flow::
     calibration --> study.optimize(Objective)   (minimize bits s.t. the budget constraint)
     feasible trials, fewest bits first --> re-measured on held-out --> first that meets the budget wins
 
+A trial is feasible when the upper end of its metric's 90% chunk-bootstrap interval on the
+calibration text is within the budget (``feasibility='bound'``), not merely its point estimate: on
+another text of the same kind the point estimate moves by about the interval's half-width.
+
 The library never prints or reads ``sys.argv``; :mod:`kvarn.autotune.cli` does.
 """
 
@@ -25,8 +29,18 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from kvarn.autotune.budget import Budget
-from kvarn.autotune.objective import CONSTRAINT, EvaluatorLike, Objective, best_feasible, measurement_dict, metric_of
+from kvarn.autotune.objective import (
+    CONSTRAINT,
+    EvaluatorLike,
+    Objective,
+    best_feasible,
+    bound_of,
+    interval_of,
+    measurement_dict,
+    metric_of,
+)
 from kvarn.autotune.space import SINKS, SearchSpace, layer_sensitivity, parse_pair, ranking, sensitivity_key
+from kvarn.eval.metrics import CONFIDENCE
 from kvarn.schemes import Scheme
 
 EvaluatorFactory = Callable[[str], EvaluatorLike]
@@ -66,6 +80,7 @@ class TuneConfig:
     compare: tuple[str, ...] = ()  # presets / baselines measured on held-out text for the plot
     chunk: int = 128
     progress: bool = True
+    feasibility: str = "bound"  # "bound": upper confidence bound within budget (default); "point": estimate
     device: str = "cpu"  # where the model runs: cpu, cuda, cuda:<n>
     dtype: str = "float32"  # the model's dtype: float32, bfloat16, float16
 
@@ -92,6 +107,9 @@ class Candidate:
     heldout: dict[str, Any] | None = None
     heldout_metric: float | None = None
     meets_heldout: bool | None = None
+    calib_bound: float | None = None  # what feasibility was decided on (the upper bound, or the point)
+    calib_ci: tuple[float, float] | None = None  # the metric's 90% interval on calibration text
+    heldout_ci: tuple[float, float] | None = None
 
 
 @dataclass
@@ -117,6 +135,11 @@ class TuneResult:
     exit_code: int
     interrupted: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def fmt_ci(ci: tuple[float, float] | None) -> str:
+    """``[low, high]`` of a 90% interval for messages and tables, or ``''`` if there is none."""
+    return "" if ci is None else f"[{ci[0]:.3g}, {ci[1]:.3g}]"
 
 
 def bundled_text() -> str:
@@ -217,10 +240,14 @@ def derived_name(model: str, budget: Budget) -> str:
     return f"kvarn_{_slug(model)}_{budget.slug}"
 
 
-def _candidate(t: FrozenTrial, budget: Budget) -> Candidate:
+def _candidate(t: FrozenTrial, budget: Budget, feasibility: str = "bound") -> Candidate:
     calib = t.user_attrs.get("calib")
     metric = metric_of(budget, calib) if calib else None
-    return Candidate(t.user_attrs["scheme"], float(t.user_attrs["bits"]), calib, metric)
+    decided = (bound_of(budget, calib) if feasibility == "bound" else metric) if calib else None
+    return Candidate(
+        t.user_attrs["scheme"], float(t.user_attrs["bits"]), calib, metric,
+        calib_bound=decided, calib_ci=interval_of(budget, calib),
+    )  # fmt: skip
 
 
 def pareto_front(cands: list[Candidate], budget: Budget) -> list[Candidate]:
@@ -358,6 +385,7 @@ def tune(
         tokens=config.tokens,
         context=config.bits_context,
         bits_of=layer_mix_bits(calib_ev, config.bits_context),
+        feasibility=config.feasibility,
     )
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
     objective.prime(done)
@@ -445,12 +473,16 @@ def _finish(
     interrupted: bool,
 ) -> TuneResult:
     budget = config.budget
-    measured = [_candidate(t, budget) for t in trials if t.state == TrialState.COMPLETE and "calib" in t.user_attrs]
+    measured = [
+        _candidate(t, budget, config.feasibility)
+        for t in trials
+        if t.state == TrialState.COMPLETE and "calib" in t.user_attrs
+    ]
     front = pareto_front(_unique(measured), budget)
     best = best_feasible(trials)
     feasible = sorted(
-        _unique([c for c in measured if c.calib_metric is not None and budget.met(c.calib_metric)]),
-        key=lambda c: (c.bits, budget.violation(c.calib_metric or 0.0)),
+        _unique([c for c in measured if c.calib_bound is not None and budget.met(c.calib_bound)]),
+        key=lambda c: (c.bits, budget.violation(c.calib_bound or 0.0)),
     )
     cfg = {
         "model": config.model,
@@ -466,6 +498,8 @@ def _finish(
         "allow_fp16_layers": space.allow_fp16_layers,
         "bits_context": config.bits_context,
         "prune_tokens": config.resolved_prune_tokens(),
+        "feasibility": config.feasibility,
+        "confidence": CONFIDENCE,
         "device": config.device,
         "dtype": config.dtype,
     }
@@ -488,7 +522,8 @@ def _finish(
             if c is not None and c.calib_metric is not None
             else ""
         )
-        res.message = f"budget {budget.text} unreachable: none of {n_done} trials met it on calibration text{near}"
+        how = " (upper confidence bound)" if config.feasibility == "bound" else ""
+        res.message = f"budget {budget.text} unreachable: none of {n_done} trials met it{how} on calibration text{near}"
         res.exit_code = 2
         res.seconds = time.perf_counter() - t0
         return res
@@ -499,6 +534,7 @@ def _finish(
         r = held_ev.evaluate(Scheme.from_name(c.scheme), greedy=budget.needs_greedy, progress=config.progress)
         c.heldout = measurement_dict(r)
         c.heldout_metric = metric_of(budget, c.heldout)
+        c.heldout_ci = interval_of(budget, c.heldout)
         c.meets_heldout = budget.met(c.heldout_metric)
         return c
 
@@ -517,7 +553,13 @@ def _finish(
         r = held_ev.evaluate(name, greedy=budget.needs_greedy, progress=config.progress)
         m = measurement_dict(r)
         res.references.append(
-            {"name": name, "bits": float(r.bits_per_element), "heldout": m, "metric": metric_of(budget, m)}
+            {
+                "name": name,
+                "bits": float(r.bits_per_element),
+                "heldout": m,
+                "metric": metric_of(budget, m),
+                "interval": interval_of(budget, m),
+            }
         )
     res.extra["compare_seconds"] = round(time.perf_counter() - t_confirm, 1)
     if res.winner is None:
@@ -531,8 +573,9 @@ def _finish(
     else:
         w = res.winner
         res.message = (
-            f"{w.scheme}: {w.bits:.4f} bits/element ({16 / w.bits:.2f}x), {budget.metric} {w.calib_metric:.4g} on "
-            f"calibration and {w.heldout_metric:.4g} on held-out text (budget {budget.text})"
+            f"{w.scheme}: {w.bits:.4f} bits/element ({16 / w.bits:.2f}x), {budget.metric} {w.calib_metric:.4g} "
+            f"{fmt_ci(w.calib_ci)} on calibration and {w.heldout_metric:.4g} {fmt_ci(w.heldout_ci)} on held-out "
+            f"text (budget {budget.text})"
         )
     res.seconds = time.perf_counter() - t0
     return res

@@ -259,7 +259,9 @@ class Evaluator:
         ref_ppl = math.exp(float(ref.nll[: n - 1].double().mean()))
         if spec is None:  # fp16 is the reference itself
             agree = len(ref_greedy) if ref_greedy is not None else None
-            return EvalResult(_name(scheme), 16.0, ref_ppl, 0.0, 0.0, 1.0, agree, n, ref.seconds, [0.0, 0.0], [0.0, 0.0])
+            return EvalResult(
+                _name(scheme), 16.0, ref_ppl, 0.0, 0.0, 1.0, agree, n, ref.seconds, [0.0, 0.0], [0.0, 0.0]
+            )
         t0 = time.perf_counter()
         cache = KVarNCache(
             spec,

@@ -27,13 +27,18 @@ class FakeResult:
     greedy_agreement_tokens: int | None
     tokens: int
     seconds: float
+    delta_ppl_pct_ci: list[float] | None = None
+    kl_ci: list[float] | None = None
 
 
 class FakeEvaluator:
     """delta_ppl_pct = sum over quantized layers of SENS * bit/tile/scale factors (k4v2_g128 ~ +1.2%)."""
 
-    def __init__(self, text: str, tokens: int = 1024, interrupt_after: int | None = None) -> None:
+    def __init__(
+        self, text: str, tokens: int = 1024, interrupt_after: int | None = None, ci_halfwidth: float | None = None
+    ) -> None:
         self.text = text
+        self.ci_halfwidth = ci_halfwidth  # relative half-width of a symmetric interval; None: no intervals
         self.tokens = tokens
         self.calls: list[tuple[str, int | None]] = []
         self.interrupt_after = interrupt_after
@@ -63,6 +68,7 @@ class FakeEvaluator:
                 err += self._layer_error(ls, SENS[layer])
         n = self.tokens if max_tokens is None else min(max_tokens, self.tokens)
         delta = err * 1.15 * self.text_factor * (1.1 if max_tokens else 1.0)
+        w = self.ci_halfwidth
         return FakeResult(
             scheme=s.name,
             bits_per_element=s.bits_per_element(HEAD_DIM, NUM_LAYERS),
@@ -73,18 +79,23 @@ class FakeEvaluator:
             greedy_agreement_tokens=int(256 / (1.0 + delta)) if greedy else None,
             tokens=n,
             seconds=0.0,
+            delta_ppl_pct_ci=None if w is None else [delta * (1 - w), delta * (1 + w)],
+            kl_ci=None if w is None else [delta / 100 * (1 - w), delta / 100 * (1 + w)],
         )
 
 
 class FakeFactory:
     """text -> FakeEvaluator, remembering every evaluator it made."""
 
-    def __init__(self, interrupt_after: int | None = None) -> None:
+    def __init__(self, interrupt_after: int | None = None, ci_halfwidth: float | None = None) -> None:
         self.made: list[FakeEvaluator] = []
         self.interrupt_after = interrupt_after
+        self.ci_halfwidth = ci_halfwidth
 
     def __call__(self, text: str) -> FakeEvaluator:
-        ev = FakeEvaluator(text, interrupt_after=self.interrupt_after if not self.made else None)
+        ev = FakeEvaluator(
+            text, interrupt_after=self.interrupt_after if not self.made else None, ci_halfwidth=self.ci_halfwidth
+        )
         self.made.append(ev)
         return ev
 

@@ -64,3 +64,14 @@ def test_interleaved_split_deals_out_paragraphs() -> None:
 def test_derived_name() -> None:
     assert derived_name("smollm2-135m", parse_budget("1%")) == "kvarn_smollm2_135m_1pct"
     assert derived_name("/models/Qwen3-4B/", parse_budget("kl=0.01")) == "kvarn_qwen3_4b_kl0p01"
+
+
+def test_bound_is_the_upper_end_of_the_interval_when_there_is_one() -> None:
+    from types import SimpleNamespace
+
+    m = SimpleNamespace(delta_ppl_pct=0.8, kl=0.01, greedy_agreement_tokens=100, delta_ppl_pct_ci=[0.5, 1.3])
+    ppl, kl, greedy = parse_budget("1%"), parse_budget("kl=0.02"), parse_budget("greedy=50")
+    assert ppl.value(m) == 0.8 and ppl.interval(m) == (0.5, 1.3) and ppl.bound(m) == 1.3
+    assert not ppl.met(ppl.bound(m)) and ppl.met(ppl.value(m))  # the point meets 1%, the bound does not
+    assert kl.interval(m) is None and kl.bound(m) == 0.01  # no kl_ci measured: the point value
+    assert greedy.interval(m) is None and greedy.bound(m) == 100.0

@@ -109,3 +109,19 @@ def test_device_and_dtype_reach_the_evaluators_and_provenance(
     assert seen == [("cpu", "bfloat16")]
     prov = get_preset(str(tmp_path / "presets" / "bf16_tuned.yaml")).provenance
     assert (prov["device"], prov["dtype"]) == ("cpu", "bfloat16")
+
+
+def test_intervals_in_table_and_provenance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = FakeFactory(ci_halfwidth=0.2)
+    monkeypatch.setattr(cli, "model_dims", lambda model: (NUM_LAYERS, HEAD_DIM))
+    monkeypatch.setattr(tuner, "harness_factory", lambda config: f)
+    assert cli.main(_run(tmp_path, "--name", "ci_tuned")) == 0
+    out = capsys.readouterr().out
+    assert "calib 90% CI" in out and "upper end of the 90% CI" in out
+    prov = get_preset(str(tmp_path / "presets" / "ci_tuned.yaml")).provenance
+    lo, hi = prov["calibration_interval"]
+    assert prov["feasibility"] == "bound" and lo < prov["calibration"]["delta_ppl_pct"] < hi <= 1.0
+    assert prov["heldout_interval"][0] < prov["heldout"]["delta_ppl_pct"] < prov["heldout_interval"][1]
+    assert f"[{lo:.3g}, {hi:.3g}]" in out

@@ -126,3 +126,19 @@ def test_bits_count_the_sink_spread_over_the_context(tmp_path: Path) -> None:
                 assert row["bits"] > s.bits_per_element(HEAD_DIM, NUM_LAYERS)  # the sink is not free
     longer = tune(_config(tmp_path, trials=2, context=32768, study_name="ctx"), factory=FakeFactory(), dims=DIMS)
     assert longer.config["bits_context"] == 32768
+
+
+def test_feasibility_is_decided_by_the_upper_bound(tmp_path: Path) -> None:
+    # the same synthetic metric with a +-30% interval: with the bound, every winner's upper end is within
+    # the budget; with the point estimate the search accepts schemes whose upper end is not, and so is cheaper
+    bound = tune(_config(tmp_path, seed=1), factory=FakeFactory(ci_halfwidth=0.3), dims=DIMS)
+    point = tune(_config(tmp_path, seed=1, feasibility="point"), factory=FakeFactory(ci_halfwidth=0.3), dims=DIMS)
+    assert bound.exit_code == 0 and point.exit_code == 0, (bound.message, point.message)
+    wb, wp = bound.winner, point.winner
+    assert wb is not None and wb.calib_ci is not None and wb.calib_bound == wb.calib_ci[1] <= 1.0
+    assert wp is not None and wp.calib_metric is not None and wp.calib_bound == wp.calib_metric <= 1.0
+    assert wp.calib_ci is not None and wp.calib_ci[1] > 1.0  # the point winner's bound misses the budget
+    assert wb.bits > wp.bits
+    assert bound.config["feasibility"] == "bound" and bound.config["confidence"] == 0.9
+    assert wb.heldout_ci is not None and wb.heldout_ci[0] < wb.heldout_metric < wb.heldout_ci[1]  # type: ignore[operator]
+    assert f"[{wb.calib_ci[0]:.3g}, {wb.calib_ci[1]:.3g}]" in bound.message

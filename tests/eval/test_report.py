@@ -65,3 +65,38 @@ def test_metrics() -> None:
     assert other.top1_agreement == 0.5
     assert other.ppl > same.ppl
     assert leading_matches([1, 2, 3], [1, 2, 4, 5]) == 2 and leading_matches([], [1]) == 0
+
+
+def test_block_bootstrap_is_deterministic_and_brackets_the_mean() -> None:
+    import torch
+
+    from kvarn.eval.metrics import block_bootstrap_means, interval
+
+    g = torch.Generator().manual_seed(1)
+    noisy = torch.randn(1024, 1, generator=g) + 0.5  # [positions, 1]
+    draws = block_bootstrap_means(noisy, block=64)
+    assert draws.shape == (2000, 1) and torch.equal(draws, block_bootstrap_means(noisy, block=64))
+    lo, hi = interval(draws[:, 0])
+    assert lo < float(noisy.mean()) < hi
+    # 16 blocks of 64 iid N(0,1): the mean's standard error is 1/32; a 90% interval is about +-1.645/32 wide
+    assert hi - lo == pytest.approx(2 * 1.645 / 32, rel=0.25)
+    # constant data: no spread at all; a short last block (1000 = 15 x 64 + 40) is weighed by its length
+    lo, hi = interval(block_bootstrap_means(torch.full((1000, 1), 2.0), block=64)[:, 0])
+    assert lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="block >= 1"):
+        block_bootstrap_means(noisy, block=0)
+
+
+def test_metric_sums_intervals_contain_the_point_estimates() -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    sums = MetricSums()
+    for _ in range(8):  # 8 chunks of 32 positions over a 50-token vocabulary
+        ref = torch.randn(32, 50, generator=g).log_softmax(-1)
+        logp = (ref + 0.3 * torch.randn(32, 50, generator=g)).log_softmax(-1)
+        sums.add(ref, logp, torch.randint(50, (32,), generator=g))
+    (p_lo, p_hi), (k_lo, k_hi) = sums.intervals(block=32)
+    d = torch.cat(sums.per_position)[:, 0].mean()
+    assert p_lo < 100 * float(torch.expm1(d)) < p_hi
+    assert 0.0 < k_lo < sums.mean_kl < k_hi
