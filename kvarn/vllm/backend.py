@@ -6,17 +6,20 @@ record of :func:`kvarn.codec.quantize_tiles`, so ``page_bytes = scheme.tile_byte
 (the largest over layers when a preset overrides bit widths per layer). vLLM derives the number
 of blocks, and so the KV tokens it reports, from this page size.
 
-Partially filled tiles live in staging slots (see :mod:`kvarn.vllm.staging`) and, for schemes with
-``sink_tokens``, exact copies of each sequence's first tokens in sink slots (:mod:`kvarn.vllm.sinks`;
-pages do not change), both planned once per step by :class:`KvarnMetadataBuilder`. Compute:
-:mod:`kvarn.vllm.torch_path` (CPU) and :mod:`kvarn.vllm.triton_path` (CUDA).
+Partially filled tiles live in a staging pool (:mod:`kvarn.vllm.staging`) and, for schemes with a
+sink (exact first tokens, or KVarN's 16-bit first tile), each sequence's first tokens in a sink
+pool (:mod:`kvarn.vllm.sinks`). Both pools hold ``max_num_seqs`` slots per layer, allocated when
+the layer is built, before vLLM measures memory for the KV cache, so the KV capacity vLLM reports is
+net of them (an explicit ``kv_cache_memory_bytes`` is reduced by their size). The metadata builder
+plans slots and builds every device tensor of a step once (:mod:`kvarn.vllm.step`); a layer's
+forward only launches ops (:mod:`kvarn.vllm.forward`): tile-causal attention over pages, staging
+and sink pools read in place by slot id.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
-from types import ModuleType
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -29,14 +32,17 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvarn.schemes import Scheme, get_preset
 from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
-from kvarn.vllm import torch_path, triton_path
+from kvarn.vllm import live
+from kvarn.vllm.forward import run_layer
 from kvarn.vllm.plugin import is_kvarn_dtype, staging_slots
 from kvarn.vllm.sinks import SinkPool
-from kvarn.vllm.staging import RequestPlan, StagingPool
+from kvarn.vllm.staging import StagingPool
+from kvarn.vllm.step import StepTensors, build_step
 
 logger = logging.getLogger("kvarn.vllm")
 
@@ -69,11 +75,6 @@ def page_bytes(scheme: Scheme, head_dim: int, num_layers: int) -> int:
     if head_dim not in ALLOWED_HEAD_DIMS:
         raise ValueError(
             f"{scheme.name}: head_dim {head_dim} is not supported; supported: {', '.join(map(str, ALLOWED_HEAD_DIMS))}"
-        )
-    if scheme.sink_tile:
-        raise ValueError(
-            f"{scheme.name}: sink_tile presets are not served by the vLLM backend yet; _sink1.._sink8 "
-            "(exact first tokens beside unchanged tiles) are"
         )
     sizes = []
     for layer in range(max(num_layers, 1)):
@@ -143,18 +144,41 @@ class KvarnAttentionBackend(AttentionBackend):
         )
 
 
-@dataclass
-class KvarnMetadata:
-    """One step's plan, shared by every layer of the KV-cache group."""
-
-    num_actual_tokens: int
-    plans: list[RequestPlan]
-    num_slots: int
-    num_sink_slots: int = 0  # 0: the scheme keeps no sink tokens
+def sink_capacity(scheme: Scheme) -> int:
+    """Exact rows per sink slot: the whole first tile for a sink tile, else ``sink_tokens`` (0: no pool)."""
+    return scheme.group_size if scheme.sink_tile else scheme.sink_tokens
 
 
-class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
-    """Plans staging (and sink slots) once per step; logs their memory at start-up and on growth."""
+def pool_bytes(scheme: Scheme, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_slots: int) -> int:
+    """Bytes of one layer's staging and sink pools: keys and values, ``num_slots`` slots each."""
+    rows = scheme.group_size + sink_capacity(scheme)
+    return 2 * num_slots * num_kv_heads * rows * head_dim * dtype.itemsize
+
+
+# bytes and layers of the pools this process allocated (for the start-up log)
+_POOLS: dict[str, int] = {"bytes": 0, "layers": 0, "slots": 0}
+
+
+def _reserve(config: VllmConfig, nbytes: int) -> None:
+    """Count ``nbytes`` of pools against the KV cache memory: an explicit ``kv_cache_memory_bytes``
+    shrinks by it (vLLM's profiling counts the allocated pools by itself otherwise)."""
+    _POOLS["bytes"] += nbytes
+    _POOLS["layers"] += 1
+    cache = config.cache_config
+    if cache.kv_cache_memory_bytes is None:
+        return
+    left = int(cache.kv_cache_memory_bytes) - nbytes
+    if left <= 0:
+        raise ValueError(
+            f"kv_cache_dtype={cache.cache_dtype!r}: the staging/sink pools for max_num_seqs="
+            f"{config.scheduler_config.max_num_seqs} need {_POOLS['bytes'] / 2**20:.1f} MiB so far, more than "
+            f"the KV cache memory left ({(left + nbytes) / 2**20:.1f} MiB); lower max_num_seqs or give more KV memory"
+        )
+    cache.kv_cache_memory_bytes = left
+
+
+class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
+    """Plans staging and sink slots and builds the step's device tensors, once per step."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -165,78 +189,50 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                 f"kv_cache_dtype={self.scheme.name} needs block_size={t} (one vLLM block = one tile), "
                 f"got {kv_cache_spec.block_size}; pass block_size={t} (--block-size {t})"
             )
-        max_seqs = vllm_config.scheduler_config.max_num_seqs
-        initial, most = staging_slots(max_seqs)
-        self.pool = StagingPool(initial, t, max_slots=most)
-        dtype = vllm_config.model_config.dtype
-        assert isinstance(dtype, torch.dtype)  # resolved from "auto" etc. when the config was built
-        self.per_slot = 2 * kv_cache_spec.num_kv_heads * t * kv_cache_spec.head_size * dtype.itemsize
-        self.per_slot *= len(layer_names)
-        # sink slots: [num_kv_heads, sink_tokens, head_dim] keys and values per layer, per sequence
-        s = self.scheme.sink_tokens
-        self.sinks = SinkPool(initial, s, max_slots=most) if s else None
-        self.per_sink = 2 * kv_cache_spec.num_kv_heads * s * kv_cache_spec.head_size * dtype.itemsize
-        self.per_sink *= len(layer_names)
+        slots = staging_slots(vllm_config.scheduler_config.max_num_seqs)[1]
+        self.pool = StagingPool(slots, t)
+        cap = sink_capacity(self.scheme)
+        self.sinks = SinkPool(slots, cap, t) if cap else None
         self.warned_missing = False
+        what = "the first tile (16-bit)" if self.scheme.sink_tile else f"the first {cap} tokens"
         logger.warning(
-            "kvarn %s: staging for partial tiles%s (%s, outside the KV cache space): %d slots = %.1f MiB now, "
-            "growing on demand to max_num_seqs=%d slots = %.1f MiB (%.0f KiB per slot over %d layers); "
-            "set KVARN_STAGING_SLOTS for the initial size",
+            "kvarn %s: staging of partial tiles%s: %d slots (max_num_seqs) = %.1f MiB over %d layers, "
+            "allocated before the KV cache and counted against its memory",
             self.scheme.name,
-            f" and exact copies of the first {s} tokens" if s else "",
-            dtype,
-            initial,
-            initial * (self.per_slot + self.per_sink) / 2**20,
-            most,
-            most * (self.per_slot + self.per_sink) / 2**20,
-            (self.per_slot + self.per_sink) / 1024,
-            len(layer_names),
+            f" and exact copies of {what}" if cap else "",
+            slots,
+            _POOLS["bytes"] / 2**20,
+            _POOLS["layers"],
         )
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
-    ) -> KvarnMetadata:
+    ) -> StepTensors:
         m = common_attn_metadata
-        n = m.num_reqs
+        n, t = m.num_reqs, self.scheme.group_size
         qsl = m.query_start_loc_cpu[: n + 1].tolist()
         seq_lens = m.seq_lens[:n].cpu().tolist()
-        t = self.scheme.group_size
-        table = m.block_table_tensor[:n].cpu()
-        rows = [table[i, : (s + t - 1) // t].tolist() for i, s in enumerate(seq_lens)]
-        grown = len(self.pool.growths)
-        plans = self.pool.plan(qsl, seq_lens, rows)
-        if len(self.pool.growths) > grown:
-            logger.warning(
-                "kvarn: staging grew to %d slots = %.1f MiB (bound: %d slots)",
-                self.pool.num_slots,
-                self.pool.num_slots * self.per_slot / 2**20,
-                self.pool.max_slots,
-            )
-        if self.sinks is None:
-            return KvarnMetadata(m.num_actual_tokens, plans, self.pool.num_slots)
-        grown = len(self.sinks.growths)
-        self.sinks.plan(plans, seq_lens, rows)
-        if len(self.sinks.growths) > grown:
-            logger.warning(
-                "kvarn: sink slots grew to %d = %.2f MiB (bound: %d)",
-                self.sinks.num_slots,
-                self.sinks.num_slots * self.per_sink / 2**20,
-                self.sinks.max_slots,
-            )
-        if self.sinks.missing and not self.warned_missing:
-            self.warned_missing = True
-            logger.warning(
-                "kvarn %s: a request reads its first tile without the exact copies of its first %d tokens "
-                "(their sink slot was reclaimed: a prefix-cache hit on a sequence that ended long ago, or "
-                "more sequences than max_num_seqs); it reads them quantized. Logged once.",
-                self.scheme.name,
-                self.scheme.sink_tokens,
-            )
-        return KvarnMetadata(m.num_actual_tokens, plans, self.pool.num_slots, self.sinks.num_slots)
+        table = m.block_table_tensor[:n]
+        host = table.cpu()
+        rows = [host[i, : (s + t - 1) // t].tolist() for i, s in enumerate(seq_lens)]
+        decode = all(b - a == 1 for a, b in zip(qsl, qsl[1:], strict=False))
+        plans = self.pool.plan(qsl, seq_lens, rows, reuse_now=not decode)
+        if self.sinks is not None:
+            self.sinks.plan(plans)
+            if self.sinks.missing and not self.warned_missing:
+                self.warned_missing = True
+                logger.warning(
+                    "kvarn %s: a request reads its first tile without its exact copies (their sink slot was "
+                    "reclaimed: a prefix-cache hit on a sequence that ended long ago); it reads tile 0 "
+                    "quantized. Logged once.",
+                    self.scheme.name,
+                )
+        has_sink = self.sinks is not None
+        return build_step(plans, table, t, sink_tile=self.scheme.sink_tile, has_sink=has_sink, decode=decode)
 
 
 class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
-    """Per-layer attention over packed tiles plus staged and new tokens."""
+    """Per-layer attention over packed tiles plus staged and new tokens; owns the layer's pools."""
 
     def __init__(
         self,
@@ -287,8 +283,20 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.layer_scheme: Scheme | None = None
-        self.stage: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the pools, allocated now: before vLLM measures memory for the KV cache
+        slots = staging_slots(config.scheduler_config.max_num_seqs)[1]
+        dtype = config.model_config.dtype
+        assert isinstance(dtype, torch.dtype)  # resolved from "auto" etc. when the config was built
+        device = torch.device(str(config.device_config.device))
+        shape = (slots, num_kv_heads, self.scheme.group_size, head_size)
+        self.stage = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         self.sink: tuple[torch.Tensor, torch.Tensor] | None = None
+        cap = sink_capacity(self.scheme)
+        if cap:
+            shape = (slots, num_kv_heads, cap, head_size)
+            self.sink = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        _reserve(config, pool_bytes(self.scheme, num_kv_heads, head_size, dtype, slots))
+        live.install()
 
     def _layer_scheme(self, layer: Any) -> Scheme:
         if self.layer_scheme is None:
@@ -307,7 +315,7 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: KvarnMetadata | None,
+        attn_metadata: StepTensors | None,
         output: torch.Tensor,
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
@@ -317,33 +325,8 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
             raise NotImplementedError("kvarn: fused output quantization is not supported")
         if attn_metadata is None:  # profiling / warm-up
             return output
-        scheme = self._layer_scheme(layer)
-        h, d = self.num_kv_heads, self.head_size
-        self.stage = _grown(self.stage, (attn_metadata.num_slots, h, scheme.group_size, d), key)
-        sk, sv = self.stage
-        sink = None
-        if attn_metadata.num_sink_slots:
-            sink = self.sink = _grown(self.sink, (attn_metadata.num_sink_slots, h, scheme.sink_tokens, d), key)
         out = output.view(-1, self.num_heads, self.head_size)
-        # CUDA: the Triton kernels; CPU (and pages wider than this layer's record): the torch path
-        path: ModuleType = torch_path
-        if query.is_cuda and triton_path.usable(kv_cache, scheme, self.head_size):
-            path = triton_path
-        plans = attn_metadata.plans
-        path.attend(query, key, value, kv_cache, sk, sv, plans, scheme, self.scale, out, sink=sink)
-        path.commit(key, value, kv_cache, sk, sv, plans, scheme, sink=sink)
+        scheme = self._layer_scheme(layer)
+        pages = kv_cache[:, :, 0, :]
+        run_layer(query, key, value, pages, self.stage, self.sink, attn_metadata, scheme, self.scale, out)
         return output
-
-
-def _grown(
-    slots: tuple[torch.Tensor, torch.Tensor] | None, shape: tuple[int, int, int, int], like: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of ``shape`` (``[num_slots, H, tokens, D]``, ``like``'s dtype and device):
-    ``slots`` if they have that many slots, else new zeros keeping what ``slots`` held."""
-    if slots is not None and slots[0].shape[0] >= shape[0]:
-        return slots
-    grown = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(2)]
-    if slots is not None:  # the pool grew: keep what is held
-        for new, old in zip(grown, slots, strict=True):
-            new[: old.shape[0]] = old
-    return grown[0], grown[1]

@@ -1,39 +1,38 @@
-"""Sink slots: the exact first tokens of each sequence, for schemes with ``sink_tokens = S``.
+"""Sink slots: the exact first tokens of each sequence, for schemes that keep them unquantized.
 
-Every tile is packed as without a sink (tile 0 included; pages do not change). Besides, the first
-``S`` tokens of a sequence are kept exactly (unrotated, model dtype) in a *sink slot*
-(``[num_kv_heads, S, head_dim]`` keys and values per layer), and attention over a packed tile 0
-takes positions ``0..S-1`` from the slot instead of dequantizing them. While tile 0 is not full its
-tokens are staged unquantized (:mod:`kvarn.vllm.staging`), so the slot is only read once tile 0 is
-a packed context tile.
+Two kinds, one pool (``[num_slots, num_kv_heads, capacity, head_dim]`` keys and values per layer,
+model dtype, unrotated):
 
-Key: a request's first block id (``row[0]`` of its block table), unique per live request and
-stable while it runs. The step that computes positions ``ctx..min(S, seq_len)-1`` writes them.
+* ``sink_tokens = S`` (``_sink1`` ... ``_sink8``): capacity ``S``. Every tile is packed as without
+  a sink (tile 0 included); attention over the packed tile 0 takes positions ``0..S-1`` from the slot.
+* ``sink_tile`` (``_sink``, KVarN's behaviour): capacity ``group_size``. The whole first tile stays
+  16-bit for the request's life: attention reads it from the slot, then packed tiles ``1..``. Its
+  page is written (quantized) all the same, so a request whose copies were reclaimed still reads
+  a valid, quantized tile 0.
 
-Prefix caching: a request whose block 0 is a cache hit never computes tokens ``0..S-1``. Block
-hashes cover a block's tokens and its prefix, so a hit on block ``X`` as a first block means ``X``
-was last filled as the first block of a sequence with the same first tokens, and that fill wrote
-the slot keyed ``X``: the request reads it if it survives. If it was reclaimed, the request reads
-its tile 0 quantized (as a scheme without a sink would) and :attr:`SinkPool.missing` counts it;
-the backend logs a warning the first time.
+Key: a request's first block id (``row[0]``), stable while it runs (requests sharing a cached first
+block share its copies: same tokens). The step that computes positions ``ctx..capacity-1`` writes them
+(before attention, so later tiles of the same step read them). Tiles after tile 0 read the copies
+once the slot holds all ``capacity`` rows.
 
-Bound and reclaim, as for staging: the pool starts small and grows on demand up to
-``max_num_seqs`` slots (each growth logged). A slot stays after its request ends (a later prefix
-hit may still use it) until a slot is needed: then the least recently used slot whose key is not
-a live request's first block (:data:`kvarn.vllm.staging.LIVE_BLOCKS` ``["first"]``, published by the
-plugin) is reclaimed; without one the pool grows; at the bound the least recently used slot that
-no request of this step touches is taken, and its request falls back to the quantized tile 0. A
-request never waits for a slot.
+Prefix caching: block hashes cover a block's tokens and its prefix, so a hit on block ``X`` as a
+first block means ``X`` was filled as the first block of a sequence with the same first tokens,
+and that fill wrote the slot keyed ``X``: the request reads it while it survives. Slots of finished
+requests stay until a slot is needed (KVarN retires a finished request's sink rather than dropping
+it). If it was reclaimed, the request reads its tile 0 quantized (:attr:`SinkPool.missing` counts
+such reads; the backend logs a warning the first time).
 
-Pure bookkeeping, like the staging planner: it runs once per step in the metadata builder and
-fills the ``sink_*`` fields of the step's :class:`~kvarn.vllm.staging.RequestPlan` list.
+Bound and reclaim: ``max_num_seqs`` slots, allocated at start-up. A new sequence takes a free slot,
+else the least recently used slot whose key is no live request's first block
+(:data:`kvarn.vllm.staging.LIVE_BLOCKS` ``["first"]``), else the least recently used slot no request
+of this step touches (that request falls back to the quantized tile 0). A request never waits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvarn.vllm.staging import LIVE_BLOCKS, RequestPlan, claim_slot
+from kvarn.vllm.staging import LIVE_BLOCKS, RequestPlan
 
 
 @dataclass
@@ -41,58 +40,67 @@ class SinkPool:
     """Assigns sink slots to sequences, keyed by their first block id. One per KV-cache group."""
 
     num_slots: int
-    sink_tokens: int
-    max_slots: int = 0  # grow on demand up to this many slots (0: never grow)
+    capacity: int  # exact rows per slot: sink_tokens, or group_size for a sink tile
+    block_size: int
     slot_of_block: dict[int, int] = field(default_factory=dict)
-    fill: dict[int, int] = field(default_factory=dict)  # slot -> exact tokens it holds (<= sink_tokens)
+    fill: dict[int, int] = field(default_factory=dict)  # slot -> exact tokens it holds (<= capacity)
     last_step: dict[int, int] = field(default_factory=dict)  # slot -> step it was last read or written
-    missing: int = 0  # reads of a packed tile 0 without a slot (read quantized); the backend logs it
+    missing: int = 0  # reads of a packed tile 0 without its copies (read quantized); the backend logs it
     step: int = 0
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
             raise ValueError(f"num_slots={self.num_slots} must be >= 1")
-        if self.sink_tokens < 1:
-            raise ValueError(f"sink_tokens={self.sink_tokens} must be >= 1")
-        self.max_slots = max(self.max_slots, self.num_slots)
+        if not 1 <= self.capacity <= self.block_size:
+            raise ValueError(f"capacity={self.capacity} must be in 1..block_size={self.block_size}")
         self._free = list(range(self.num_slots - 1, -1, -1))
-        self.growths: list[int] = []  # pool sizes after each growth (for logging)
 
-    def _allocate(self, busy: set[int]) -> int:
-        """A free slot, or -1 when every slot holds a first block of this step's requests."""
-        return claim_slot(self, LIVE_BLOCKS.get("first"), busy)[0]
+    def _claim(self, busy: set[int]) -> int:
+        """A free slot, else the LRU idle slot (dead first); -1 when every slot is busy this step."""
+        if self._free:
+            return self._free.pop()
+        live = LIVE_BLOCKS.get("first")
+        idle = [b for b in self.slot_of_block if b not in busy]
+        dead = [b for b in idle if live is not None and b not in live]
+        if not idle:
+            return -1
+        victim = min(dead or idle, key=lambda b: self.last_step.get(self.slot_of_block[b], -1))
+        slot = self.slot_of_block.pop(victim)
+        self.fill.pop(slot, None)
+        return slot
 
-    def plan(self, plans: list[RequestPlan], seq_lens: list[int], block_table: list[list[int]]) -> None:
+    def plan(self, plans: list[RequestPlan]) -> None:
         """Set ``sink_slot``, ``sink_write`` and ``sink_read`` of this step's plans in place.
 
-        Args:
-            plans: the step's plans from :meth:`kvarn.vllm.staging.StagingPool.plan`.
-            seq_lens: ``[num_reqs]`` tokens of each request after this step.
-            block_table: per request, its block ids (row 0 is the key of its sink slot).
+        Writers are planned before readers, so a request whose first block is a prefix-cache hit on a
+        block another request of the same step fills reads that request's copies.
         """
         self.step += 1
-        s = self.sink_tokens
-        active = [(p, n, row[0]) for p, n, row in zip(plans, seq_lens, block_table, strict=True) if not p.dummy]
-        busy = {first for p, _, first in active if p.q_len}
-        for p, seq_len, first in active:
-            if p.q_len == 0:
+        cap, t = self.capacity, self.block_size
+        active = [p for p in plans if not p.dummy]
+        busy = {p.row[0] for p in active}
+        for p in active:
+            seq_len = p.ctx + p.q_len
+            if p.ctx >= cap:
                 continue
-            ctx = seq_len - p.q_len
+            first = p.row[0]
             slot = self.slot_of_block.get(first, -1)
-            if ctx < s:  # this step computes some of the first tokens: keep them
-                if ctx and (slot < 0 or self.fill.get(slot, 0) < ctx):
-                    continue  # the earlier ones were lost: no partial copy (reads tile 0 quantized)
+            if p.ctx and (slot < 0 or self.fill.get(slot, 0) < p.ctx):
+                continue  # the earlier ones were lost: no partial copy (reads tile 0 quantized)
+            if slot < 0:
+                slot = self._claim(busy)
                 if slot < 0:
-                    slot = self._allocate(busy)
-                    if slot < 0:
-                        continue
-                    self.slot_of_block[first] = slot
-                p.sink_slot, p.sink_write = slot, min(s, seq_len) - ctx
-                self.fill[slot] = min(s, seq_len)
-                self.last_step[slot] = self.step
-            elif p.ctx_blocks:  # tile 0 is a packed context tile: read the copies instead
-                if slot < 0:
-                    self.missing += 1
                     continue
-                p.sink_slot, p.sink_read = slot, self.fill[slot]
-                self.last_step[slot] = self.step
+                self.slot_of_block[first] = slot
+            p.sink_slot, p.sink_write = slot, min(cap, seq_len) - p.ctx
+            self.fill[slot] = min(cap, seq_len)
+            self.last_step[slot] = self.step
+        for p in active:
+            if p.ctx + p.q_len <= t:  # every tile this step attends is tile 0, read exactly
+                continue
+            slot = self.slot_of_block.get(p.row[0], -1)
+            if slot < 0 or self.fill.get(slot, 0) < cap:
+                self.missing += 1
+                continue
+            p.sink_slot, p.sink_read = slot, cap
+            self.last_step[slot] = self.step

@@ -1,16 +1,24 @@
-"""Unit tests of the kvarn vLLM backend pieces that need no engine: planner, torch path, registration."""
+"""Unit tests of the kvarn vLLM backend pieces that need no engine: staging planner, step tensors,
+the layer forward's host work, the Triton ops' path, registration and page sizes."""
 
 from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from kvarn.codec import dequantize_tiles, quantize_tiles  # noqa: E402
 from kvarn.schemes import Scheme  # noqa: E402
-from kvarn.vllm import torch_path, triton_path  # noqa: E402
+from kvarn.vllm import staging  # noqa: E402
+from kvarn.vllm.forward import run_layer  # noqa: E402
+from kvarn.vllm.sinks import SinkPool  # noqa: E402
 from kvarn.vllm.staging import StagingLostError, StagingPool  # noqa: E402
+from kvarn.vllm.step import StepTensors, build_step  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 T = 32  # a small tile keeps these tests fast
@@ -20,46 +28,61 @@ def test_planner_chunked_prefill_then_decode() -> None:
     pool = StagingPool(num_slots=2, block_size=T)
     # request 0: 40 new tokens in blocks [5, 6]: block 5 fills, 8 tokens stage in block 6
     (p,) = pool.plan([0, 40], [40], [[5, 6]])
-    assert (p.ctx_blocks, p.staged_read, p.commit_blocks, p.rem_tokens) == ([], 0, [5], 8)
-    slot = p.rem_slot
-    assert pool.slot_of_block == {6: slot}
-    # next chunk: 30 tokens: reads 8 staged tokens, block 6 fills, 6 tokens stage in block 7
+    assert (p.ctx, p.read_slot, p.new_slot) == (0, -1, p.new_slot) and p.new_slot >= 0
+    slot = p.new_slot
+    assert pool.slot_of_block == {6: slot} and pool.fill[slot] == 8
+    # next chunk: 30 tokens: reads 8 staged tokens, block 6 fills (its slot keeps the full tile),
+    # 6 tokens stage in block 7
     (p,) = pool.plan([0, 30], [70], [[5, 6, 7]])
-    assert (p.ctx_blocks, p.staged_read, p.read_slot, p.commit_blocks, p.rem_tokens) == ([5], 8, slot, [6], 6)
-    assert 6 not in pool.slot_of_block and pool.slot_of_block[7] == p.rem_slot != slot
-    # decode step: same block keeps filling in the same slot
+    assert (p.staged(T), p.read_slot) == (8, slot) and p.new_slot not in (-1, slot)
+    assert pool.fill == {slot: T, p.new_slot: 6}
+    # decode step: the same block keeps filling in the same slot
     (q,) = pool.plan([0, 1], [71], [[5, 6, 7]])
-    assert (q.ctx_blocks, q.staged_read, q.read_slot, q.rem_slot, q.rem_tokens) == (
-        [5, 6],
-        6,
-        p.rem_slot,
-        p.rem_slot,
-        7,
-    )
+    assert (q.staged(T), q.read_slot, q.new_slot, pool.fill[q.read_slot]) == (6, p.new_slot, -1, 7)
 
 
-def test_planner_reclaims_abandoned_blocks_and_never_reads_lost_ones() -> None:
-    pool = StagingPool(num_slots=1, block_size=T)
-    pool.plan([0, 5], [5], [[3]])  # request A stages 5 tokens in block 3, then is abandoned
-    pool.plan([0, 5], [5], [[4]])  # request B needs a slot: A's block is reclaimed (not in this step)
-    assert pool.slot_of_block == {4: 0} and 3 in pool.lost
+def test_planner_keeps_a_full_tile_for_a_rollback_and_reuses_it_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Speculative decoding: a step completes tile 0 with draft tokens, the drafts are rejected and
+    the next step starts inside tile 0 again: its staged tokens are still in the slot."""
+    pool = StagingPool(num_slots=2, block_size=T)
+    pool.plan([0, 30], [30], [[5]])
+    (p,) = pool.plan([0, 4], [34], [[5, 6]])  # 1 token + 3 drafts: tile 0 completes, 2 tokens in block 6
+    (r,) = pool.plan([0, 4], [35], [[5, 6]])  # 2 drafts rejected: back at position 31
+    assert (r.staged(T), r.read_slot) == (31, p.read_slot)
+    monkeypatch.setitem(staging.LIVE_BLOCKS, "blocks", {6, 9})  # the request fills block 6 now
+    (n,) = pool.plan([0, 5], [5], [[9]])  # no free slot: the full tile's (block 5) is spare
+    assert n.new_slot == p.read_slot and set(pool.slot_of_block) == {6, 9} and not pool.lost
+
+
+def test_planner_reclaims_dead_blocks_before_live_ones_and_never_reads_lost_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool = StagingPool(num_slots=2, block_size=T)
+    monkeypatch.setitem(staging.LIVE_BLOCKS, "blocks", {3, 4})
+    pool.plan([0, 5], [5], [[3]])  # A stages 5 tokens in block 3
+    pool.plan([0, 5], [5], [[4]])  # B in block 4
+    pool.plan([0, 1], [6], [[4]])  # B used more recently
+    monkeypatch.setitem(staging.LIVE_BLOCKS, "blocks", {3, 8})  # B finished
+    (c,) = pool.plan([0, 5], [5], [[8]])  # C takes B's slot (dead), not A's (older but live)
+    assert set(pool.slot_of_block) == {3, 8} and not pool.lost
+    monkeypatch.setitem(staging.LIVE_BLOCKS, "blocks", {3, 8, 9})  # every staged block live
+    pool.plan([0, 5], [5], [[9]])  # D: only live slots left: A's (least recently used) is reclaimed
+    assert 3 in pool.lost
     with pytest.raises(StagingLostError, match="reclaimed"):
         pool.plan([0, 1], [6], [[3]])  # A comes back: an error, never stale tokens
 
 
-def test_planner_grows_for_live_blocks_and_reclaims_dead_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvarn.vllm import staging
-
-    pool = StagingPool(num_slots=1, block_size=T, max_slots=4)
-    monkeypatch.setitem(staging.LIVE_BLOCKS, "blocks", {3})
-    pool.plan([0, 5], [5], [[3]])  # A stages block 3 and stays live (unscheduled next step)
-    pool.plan([0, 5], [5], [[4]])  # B: no free slot, A is live -> the pool grows instead of evicting
-    assert pool.num_slots == 2 and pool.growths == [2] and set(pool.slot_of_block) == {3, 4}
-    monkeypatch.setitem(staging.LIVE_BLOCKS, "blocks", {3, 5})  # B finished: block 4 is dead
-    pool.plan([0, 5], [5], [[5]])
-    assert pool.num_slots == 2 and set(pool.slot_of_block) == {3, 5} and not pool.lost
-    (p,) = pool.plan([0, 1], [6], [[3]])  # A resumes with its staged tokens intact
-    assert p.staged_read == 5
+def test_prefill_step_hands_a_full_tile_slot_to_a_new_block_of_the_same_step() -> None:
+    """One slot: in a prefill step the slot of the tile completing is written only after attention,
+    so the remainder's new block may take it; in a decode step (writes before attention) it may not."""
+    pool = StagingPool(num_slots=1, block_size=T)
+    (p,) = pool.plan([0, 20], [20], [[5]])
+    (q,) = pool.plan([0, 20], [40], [[5, 6]], reuse_now=True)
+    assert q.read_slot == q.new_slot == p.new_slot
+    pool = StagingPool(num_slots=1, block_size=T)
+    pool.plan([0, 20], [20], [[5]])
+    with pytest.raises(StagingLostError, match="this step reads"):
+        pool.plan([0, 20], [40], [[5, 6]])
 
 
 def test_planner_dummy_requests_on_null_block() -> None:
@@ -68,56 +91,116 @@ def test_planner_dummy_requests_on_null_block() -> None:
     assert p.dummy and not pool.slot_of_block
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal GQA attention in float32: q [n, Hq, D], k/v [n, H, D] -> [n, Hq, D]."""
-    g = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(g, 1).transpose(0, 1), v.repeat_interleave(g, 1).transpose(0, 1)
-    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, is_causal=True, scale=scale)
-    return o.transpose(0, 1)
-
-
-@pytest.mark.parametrize("chunks", [[70], [40, 30, 1, 1], [32, 33, 7]])
-def test_torch_path_matches_reference_over_dequantized_tiles(chunks: list[int]) -> None:
-    """Attention through pages + staging equals attention over the codec's round trip of full tiles."""
-    torch.manual_seed(0)
-    scheme = Scheme(4, 4, T)
-    h, hq, d, n = 2, 4, 64, sum(chunks)
-    q, k, v = torch.randn(n, hq, d), torch.randn(n, h, d), torch.randn(n, h, d)
-    blocks = [7, 2, 9]
-    cache = torch.zeros(10, h, 1, scheme.tile_bytes(d), dtype=torch.uint8)
-    sk, sv = torch.zeros(2, h, T, d), torch.zeros(2, h, T, d)
+def test_step_tensors_cut_requests_into_tile_segments() -> None:
+    """A 70-token chunk after 20 staged tokens spans tiles 0..2: three rows, each reading the tiles
+    before it; the staged tile's new tokens join its slot before attention, the new block's after."""
     pool = StagingPool(2, T)
-    out = torch.zeros(n, hq, d)
-    done = 0
-    for c in chunks:
-        (p,) = pool.plan([0, c], [done + c], [blocks[: (done + c + T - 1) // T]])
-        sl = slice(done, done + c)
-        o = torch.zeros(c, hq, d)
-        torch_path.attend(q[sl], k[sl], v[sl], cache, sk, sv, [p], scheme, 0.125, o)
-        torch_path.commit(k[sl], v[sl], cache, sk, sv, [p], scheme)
-        out[sl] = o
-        done += c
-    # expected: tokens read back from full tiles written before their chunk are quantized
-    kq, vq = k.clone(), v.clone()
-    full = n // T
-    recs = quantize_tiles(
-        k[: full * T].view(full, T, h, d).permute(0, 2, 1, 3).reshape(-1, T, d),
-        v[: full * T].view(full, T, h, d).permute(0, 2, 1, 3).reshape(-1, T, d),
-        scheme,
-    )
-    assert torch.equal(cache[torch.tensor(blocks[:full]), :, 0].reshape(-1, recs.shape[1]), recs)
-    kd, vd = dequantize_tiles(recs, scheme, d)
-    kq[: full * T] = kd.view(full, h, T, d).permute(0, 2, 1, 3).reshape(-1, h, d)
-    vq[: full * T] = vd.view(full, h, T, d).permute(0, 2, 1, 3).reshape(-1, h, d)
-    done = 0
-    for c in chunks:  # a chunk sees quantized tiles only among tiles completed before it started
-        n_q = done // T * T
-        kk = torch.cat([kq[:n_q], k[n_q : done + c]])
-        vv = torch.cat([vq[:n_q], v[n_q : done + c]])
-        qq = torch.cat([torch.zeros(done, hq, d), q[done : done + c]])
-        ref = _reference(qq, kk, vv, 0.125)[done:]
-        torch.testing.assert_close(out[done : done + c], ref, atol=2e-5, rtol=1e-4)
-        done += c
+    pool.plan([0, 20], [20], [[5]])
+    plans = pool.plan([0, 70], [90], [[5, 6, 7]], reuse_now=True)
+    table = torch.tensor([[5, 6, 7, 0]], dtype=torch.int32)
+    st = build_step(plans, table, T, sink_tile=False, has_sink=False, decode=False)
+    assert st.cu_seqlens.tolist() == [0, 12, 44, 70] and st.num_tiles.tolist() == [0, 1, 2]
+    assert st.block_table.tolist() == [[0, 0], [5, 0], [5, 6]]
+    assert st.tail_lens.tolist() == [20, 0, 0] and st.tail_slot.tolist()[0] == plans[0].read_slot
+    assert st.stage_pre is not None and st.stage_pre[0].tolist() == list(range(12))  # rows 20..31
+    assert st.stage_post is not None and st.stage_post[0].tolist() == list(range(44, 70))
+    assert st.full_blocks is not None and st.full_blocks.tolist() == [5, 6]
+
+
+def _guard(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Make host work raise when called from kvarn.vllm code: syncs, tensors from lists, allocations."""
+    calls: list[str] = []
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("kvarn.vllm"):
+                calls.append(f"{name} from {caller}")
+                raise AssertionError(f"host work in a layer's forward: {name} from {caller}")
+            return fn(*args, **kwargs)
+
+        return guarded
+
+    for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, wrap(f"Tensor.{name}", getattr(torch.Tensor, name)))
+    for name in ("tensor", "zeros", "empty", "ones", "full", "as_tensor", "from_numpy"):
+        monkeypatch.setattr(torch, name, wrap(f"torch.{name}", getattr(torch, name)))
+    return calls
+
+
+def _steps(scheme: Scheme) -> list[tuple[list[int], list[int], list[list[int]]]]:
+    """(query starts, seq lens, block rows) of a prefill, a mixed and a decode step, two requests."""
+    rows = [[1, 2, 3], [4, 5, 6]]
+    return [([0, 40, 50], [40, 10], rows), ([0, 1, 26], [41, 35], rows), ([0, 1, 2], [42, 36], rows)]
+
+
+def _run_steps(scheme: Scheme, ops: Any, guard: pytest.MonkeyPatch | None) -> list[torch.Tensor]:
+    """Plan each step, build its tensors, then run one layer forward (under ``guard`` if given)."""
+    torch.manual_seed(3)
+    h, hq, d = 2, 4, 64
+    pages = torch.zeros(8, h, scheme.tile_bytes(d), dtype=torch.uint8)
+    stage = torch.zeros(3, h, T, d), torch.zeros(3, h, T, d)
+    cap = T if scheme.sink_tile else scheme.sink_tokens
+    sink = (torch.zeros(3, h, cap, d), torch.zeros(3, h, cap, d)) if cap else None
+    pool, sinks = StagingPool(3, T), SinkPool(3, cap, T) if cap else None
+    outs = []
+    for qsl, lens, rows in _steps(scheme):
+        n = qsl[-1]
+        q, k, v = torch.randn(n, hq, d), torch.randn(n, h, d), torch.randn(n, h, d)
+        decode = all(b - a == 1 for a, b in zip(qsl, qsl[1:], strict=False))
+        plans = pool.plan(
+            qsl, lens, [r[: (s + T - 1) // T] for r, s in zip(rows, lens, strict=True)], reuse_now=not decode
+        )
+        if sinks is not None:
+            sinks.plan(plans)
+        table = torch.tensor(rows, dtype=torch.int32)
+        st: StepTensors = build_step(plans, table, T, sink_tile=scheme.sink_tile, has_sink=cap > 0, decode=decode)
+        out = torch.zeros(n, hq, d)
+        with pytest.MonkeyPatch.context() as mp:
+            if guard is not None:
+                _guard(mp)
+            run_layer(q, k, v, pages, stage, sink, st, scheme, 0.125, out, ops)
+        outs.append(out)
+    return outs
+
+
+SCHEMES = [Scheme(4, 2, T, sink_tokens=0), Scheme(4, 2, T, sink_tokens=2), Scheme(4, 2, T, sink_tile=True)]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_layer_forward_does_no_host_work(scheme: Scheme, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill, mixed and decode steps: the layer forward only launches ops (CPU ops here; their own
+    documented host reads happen inside kvarn.kernels, not in the backend)."""
+    from kvarn.kernels import cpu
+
+    guarded = _run_steps(scheme, cpu, monkeypatch)
+    plain = _run_steps(scheme, cpu, None)
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(AssertionError, match="host work"):
+        _guard(mp)  # the guard catches the builder's (by design) host work
+        build_step([], torch.zeros(0, 1, dtype=torch.int32), T, sink_tile=False, has_sink=False, decode=True)
+    for a, b in zip(guarded, plain, strict=True):
+        assert torch.equal(a, b)
+
+
+def _triton_ops_take_slots() -> bool:
+    from kvarn.kernels import ops
+
+    return "tail_slot" in inspect.signature(ops.decode_attention).parameters
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", SCHEMES[1:], ids=lambda s: s.name)
+def test_triton_ops_path_matches_cpu_ops_without_host_work(scheme: Scheme) -> None:
+    """The CUDA path's forward with the Triton ops (interpreter on CPU tensors) gives the CPU ops'
+    outputs on prefill, mixed and decode steps, and does no host work in the backend."""
+    if not _triton_ops_take_slots():
+        pytest.skip("kvarn.kernels.ops does not take tail_slot/sink_slot yet")
+    from kvarn.kernels import cpu, ops
+
+    with pytest.MonkeyPatch.context() as mp:
+        triton_outs = _run_steps(scheme, ops, mp)
+    for a, b in zip(triton_outs, _run_steps(scheme, cpu, None), strict=True):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
 
 
 def test_registration_unknown_name_lists_presets() -> None:
@@ -133,40 +216,18 @@ def test_registration_unknown_name_lists_presets() -> None:
         EngineArgs(model="unused", kv_cache_dtype="kvarn_k9v9_g128")
 
 
-def test_page_bytes_rejects_unsupported_head_dim_and_fp16_layers() -> None:
-    from kvarn.vllm.backend import page_bytes
+def test_page_bytes_and_pool_bytes() -> None:
+    from kvarn.vllm.backend import page_bytes, pool_bytes
 
-    s = Scheme.from_name("kvarn_k4v2_g128")
+    s = Scheme(4, 2, 128)
     assert page_bytes(s, 64, 30) == s.tile_bytes(64) == 7296
     with pytest.raises(ValueError, match="head_dim 80 is not supported"):
         page_bytes(s, 80, 30)
     with pytest.raises(ValueError, match="layer 0 is unquantized"):
         page_bytes(Scheme.from_name("kvarn_k4v2_g128_L0fp16"), 64, 30)
-    with pytest.raises(ValueError, match="sink_tile"):
-        page_bytes(Scheme.from_name("kvarn_k4v2_g128_sink"), 64, 30)
     mixed = Scheme.from_name("kvarn_k4v2_g128_L0-1k4v4")  # wider layers set the page size
     assert page_bytes(mixed, 64, 30) == Scheme(4, 4, 128).tile_bytes(64)
-
-
-def test_triton_path_matches_torch_path_mixed_batch() -> None:
-    """The kernels' path (Triton interpreter on CPU) gives the torch path's outputs on a mixed batch."""
-    torch.manual_seed(1)
-    scheme = Scheme(4, 2, T)
-    h, hq, d = 1, 2, 64
-    caches = [torch.zeros(8, h, 1, scheme.tile_bytes(d), dtype=torch.uint8) for _ in range(2)]
-    stages = [(torch.zeros(2, h, T, d), torch.zeros(2, h, T, d)) for _ in range(2)]
-    pools = [StagingPool(2, T), StagingPool(2, T)]
-    tables = [[1, 2], [3, 4]]
-    # prefill + prefill; decode + chunk (prefill kernel); decode + decode (decode kernel)
-    steps = [([0, 40, 50], [40, 10]), ([0, 1, 21], [41, 30]), ([0, 1, 2], [42, 31])]
-    for qsl, lens in steps:
-        n = qsl[-1]
-        q, k, v = torch.randn(n, hq, d), torch.randn(n, h, d), torch.randn(n, h, d)
-        outs = []
-        for path, cache, (sk, sv), pool in zip((torch_path, triton_path), caches, stages, pools, strict=True):
-            plans = pool.plan(qsl, lens, [row[: (s + T - 1) // T] for row, s in zip(tables, lens, strict=True)])
-            o = torch.zeros(n, hq, d)
-            path.attend(q, k, v, cache, sk, sv, plans, scheme, 0.125, o)
-            path.commit(k, v, cache, sk, sv, plans, scheme)
-            outs.append(o)
-        torch.testing.assert_close(outs[1], outs[0], atol=2e-3, rtol=2e-3)
+    # SmolLM2 (3 KV heads, head_dim 64, bf16), 4 slots: staging 2 x 4 x 3 x 128 x 64 x 2 bytes per layer
+    assert pool_bytes(Scheme(4, 2, 128, sink_tokens=0), 3, 64, torch.bfloat16, 4) == 393216
+    assert pool_bytes(Scheme(4, 2, 128, sink_tokens=1), 3, 64, torch.bfloat16, 4) == 393216 + 3072
+    assert pool_bytes(Scheme(4, 2, 128, sink_tile=True), 3, 64, torch.bfloat16, 4) == 2 * 393216

@@ -1,0 +1,120 @@
+"""A layer's forward: only op launches over the step's tensors (:mod:`kvarn.vllm.step`).
+
+No loop over requests, no host synchronisation, no tensor built from Python lists, no pool
+allocated: the staging and sink pools (allocated at start-up) are read and written in place by
+slot id. CUDA runs the Triton launchers of :mod:`kvarn.kernels.ops`, the CPU the ops of
+:mod:`kvarn.kernels.cpu` (same signatures); tiles are quantized by ``ops.store_tiles`` where the
+ops have it (Triton), else by the reference codec (:func:`kvarn.codec.quantize_tiles`). Tiles are
+stored without the NaN check of ``check_finite`` (a host sync per layer).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from kvarn.codec import quantize_tiles
+from kvarn.schemes import Scheme
+from kvarn.vllm.step import StepTensors, Writes
+
+Pool = tuple[torch.Tensor, torch.Tensor]  # keys, values: [num_slots, H, rows, D] model dtype
+
+
+def ops_for(device: torch.device) -> ModuleType:
+    """The attention ops for ``device``: Triton launchers on CUDA, vectorized PyTorch on the CPU."""
+    if device.type == "cuda":
+        from kvarn.kernels import ops
+
+        return ops
+    from kvarn.kernels import cpu
+
+    return cpu
+
+
+def _write(pool: Pool, key: torch.Tensor, value: torch.Tensor, w: Writes | None) -> None:
+    """``pool[slot[n], :, row[n]] = key/value[src[n]]`` for every write ``n``."""
+    if w is None:
+        return
+    src, slot, row = w
+    pool[0][slot, :, row] = key.index_select(0, src).to(pool[0].dtype)
+    pool[1][slot, :, row] = value.index_select(0, src).to(pool[1].dtype)
+
+
+def store_full_tiles(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    pages: torch.Tensor,
+    stage: Pool,
+    st: StepTensors,
+    scheme: Scheme,
+    ops: ModuleType,
+) -> None:
+    """Quantize the tiles that became full this step into their pages (``[NB, H, >= tile_bytes]`` uint8),
+    with ``ops.store_tiles`` where the ops have one, else the reference codec."""
+    if st.full_blocks is None:
+        return
+    h, d, t = key.shape[1], key.shape[2], scheme.group_size
+    ks: list[torch.Tensor] = []
+    vs: list[torch.Tensor] = []
+    if st.full_slots is not None:  # [F1, H, T, D], staged tokens and this step's, whole in their slot
+        ks.append(stage[0].index_select(0, st.full_slots))
+        vs.append(stage[1].index_select(0, st.full_slots))
+    if st.full_tokens is not None:  # [F2, H, T, D] straight from this step's keys
+        ks.append(key.index_select(0, st.full_tokens).view(-1, t, h, d).transpose(1, 2).to(stage[0].dtype))
+        vs.append(value.index_select(0, st.full_tokens).view(-1, t, h, d).transpose(1, 2).to(stage[1].dtype))
+    k = ks[0] if len(ks) == 1 else torch.cat(ks)
+    v = vs[0] if len(vs) == 1 else torch.cat(vs)
+    nbytes = scheme.tile_bytes(d)
+    store = getattr(ops, "store_tiles", None)
+    if store is not None:  # no check_finite: it would cost a host sync per layer
+        store(k, v, pages[:, :, :nbytes], st.full_blocks, scheme)
+        return
+    f = k.shape[0]
+    rec = quantize_tiles(k.reshape(f * h, t, d), v.reshape(f * h, t, d), scheme)  # [F * H, tile_bytes]
+    pages[st.full_blocks, :, :nbytes] = rec.view(f, h, nbytes)
+
+
+def run_layer(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    pages: torch.Tensor,
+    stage: Pool,
+    sink: Pool | None,
+    st: StepTensors,
+    scheme: Scheme,
+    scale: float,
+    out: torch.Tensor,
+    ops: ModuleType | None = None,
+) -> None:
+    """Commit this step's keys/values, then attend, for one layer.
+
+    Args:
+        query: ``[N, Hq, D]``; key, value: ``[N, H, D]`` (model dtype, unrotated; ``N >= st.num_tokens``).
+        pages: ``[num_blocks, H, page_bytes]`` uint8 (``page_bytes >= scheme.tile_bytes(D)``).
+        stage: staging pool ``[num_slots, H, T, D]`` keys and values.
+        sink: sink pool ``[num_sink_slots, H, S, D]`` keys and values (schemes with sinks), else None.
+        st: the step's tensors from the metadata builder.
+        scheme: this layer's scheme (no per-layer overrides).
+        scale: softmax scale.
+        out: ``[N, Hq, D]``; rows ``0..st.num_tokens-1`` are written.
+        ops: the attention ops (default :func:`ops_for` the query's device).
+    """
+    n = st.num_tokens
+    q, k, v, o = query[:n], key[:n], value[:n], out[:n]
+    _write(stage, k, v, st.stage_pre)
+    if sink is not None:
+        _write(sink, k, v, st.sink_writes)
+    ops = ops or ops_for(query.device)
+    store_full_tiles(k, v, pages, stage, st, scheme, ops)
+    cache = pages[:, :, : scheme.tile_bytes(query.shape[2])]
+    sinks = {}
+    if sink is not None:
+        sinks = {"sink_k": sink[0], "sink_v": sink[1], "sink_lens": st.sink_lens, "sink_slot": st.sink_slot}
+    paged = (cache, st.block_table, st.num_tiles, stage[0], stage[1], st.tail_lens, scheme)
+    if st.decode:
+        ops.decode_attention(q, *paged, tail_slot=st.tail_slot, sm_scale=scale, out=o, **sinks)
+    else:
+        ops.prefill_attention(q, k, v, st.cu_seqlens, *paged, tail_slot=st.tail_slot, sm_scale=scale, out=o, **sinks)
+    _write(stage, k, v, st.stage_post)
