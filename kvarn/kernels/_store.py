@@ -20,13 +20,14 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-FP16_MAX = 65504.0
-LOG8_STEPS = 8.0
-LOG8_BIAS = 160.0
-LOG8_MIN = 2.0**-19.875  # 2 ** ((1 - LOG8_BIAS) / LOG8_STEPS)
-MIN_MAGNITUDE = 2.0**-14
-STD_FLOOR = 1e-3
-TINY = 1e-30
+# module constants read inside @triton.jit must be tl.constexpr: the compiler refuses plain globals
+FP16_MAX = tl.constexpr(65504.0)
+LOG8_STEPS = tl.constexpr(8.0)
+LOG8_BIAS = tl.constexpr(160.0)
+LOG8_MIN = tl.constexpr(2.0**-19.875)  # 2 ** ((1 - LOG8_BIAS) / LOG8_STEPS)
+MIN_MAGNITUDE = tl.constexpr(2.0**-14)
+STD_FLOOR = tl.constexpr(1e-3)
+TINY = tl.constexpr(1e-30)
 
 
 @triton.jit

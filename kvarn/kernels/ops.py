@@ -144,7 +144,7 @@ def store_tiles(
             ITERS=scheme.norm_iters,
             LOG8=scheme.scale_dtype == "log8",
             ROTATE=scheme.rotation != "none",
-            LIBDEVICE=dev.type == "cuda",
+            LIBDEVICE=isinstance(store_side_kernel, triton.runtime.JITFunction),  # False: interpreted
             enable_fp_fusion=False,  # the reference rounds every multiply and add separately
             **cfg.launch_kwargs(),
         )

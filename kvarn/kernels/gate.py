@@ -1,0 +1,355 @@
+"""Compile gate: build every kernel variant the launchers emit for a GPU, without a GPU.
+
+Triton's NVIDIA backend and ``ptxas`` ship inside the ``triton`` wheel. A stand-in driver whose
+``get_current_target()`` is ``GPUTarget("cuda", arch, 32)`` makes Triton compile for that GPU; every
+``kernel[grid](...)`` of the real launchers in :mod:`kvarn.kernels.ops`, driven with CPU tensors,
+then compiles (``warmup=True``) instead of launching. For each compiled kernel the gate reads:
+
+* registers and spills from ``ptxas -v`` on the kernel's PTX (the ``ptxas`` Triton itself uses for
+  that arch, with its flags; results cached under Triton's cache directory by PTX hash);
+* shared memory from ``metadata.shared``;
+* programs per SM from registers, warps and shared memory (:func:`programs_per_sm`).
+
+A variant fails on a compile error, on shared memory above one block's limit (:data:`ARCHS`) and on
+any register spill. The kernels must be compiled, not interpreted: run the gate in a process
+without ``TRITON_INTERPRET=1`` (``tools/compile_gate.py`` does). Another Triton (e.g. 3.6.0, on the
+GPU machines lent to this project) is checked by running that CLI with that Triton's interpreter:
+``python3 -m venv t36 && t36/bin/pip install triton==3.6.0 torch==2.13.0`` then
+``PYTHONPATH=. t36/bin/python tools/compile_gate.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.driver import DriverBase
+from triton.runtime.jit import JITFunction
+
+from kvarn.kernels import ops
+from kvarn.kernels._store import store_side_kernel
+from kvarn.schemes import BUILTINS, get_scheme
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Per-SM resources of one GPU architecture (CUDA occupancy figures)."""
+
+    name: str
+    block_smem: int  # bytes of shared memory one block may use (opt-in maximum)
+    sm_smem: int  # bytes of shared memory per SM
+    regs: int = 65536  # 32-bit registers per SM
+    max_warps: int = 64
+    max_blocks: int = 32
+
+
+ARCHS = {
+    90: Arch("sm_90 (H100/H200)", block_smem=227 * 1024, sm_smem=228 * 1024),
+    80: Arch("sm_80 (A100)", block_smem=163 * 1024, sm_smem=164 * 1024),
+}
+
+__all__ = ["ARCHS", "Row", "Variant", "check_row", "compile_variants", "full_variants", "quick_variants"]
+
+HEAD_DIMS = (64, 128, 256)
+GROUPS = (1, 4, 7, 8)  # query heads per KV head; 7 is not a power of two
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+KV_HEADS = 8
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One launcher call to compile: op (store, decode, prefill), scheme, shapes, query dtype, arch."""
+
+    arch: int
+    op: str
+    scheme: str
+    head_dim: int
+    dtype: str = "bf16"
+    group: int = 1  # decode/prefill: query heads per KV head
+    splits: int = 1  # decode: split-K factor (> 1 also compiles the split reduction)
+
+    @property
+    def name(self) -> str:
+        short = self.scheme.removeprefix("kvarn_")
+        extra = "" if self.op == "store" else f" g{self.group}" + (f" s{self.splits}" if self.op == "decode" else "")
+        return f"{self.op} {short} d{self.head_dim} {self.dtype}{extra}"
+
+
+def full_variants(archs: tuple[int, ...] = (90, 80)) -> list[Variant]:
+    """Every built-in preset x head_dim 64/128/256 x groups 1/4/7/8 x fp16/bf16 x arch; decode split and not."""
+    out = []
+    for arch in archs:
+        for name in BUILTINS:
+            for d in HEAD_DIMS:
+                for dt in DTYPES:
+                    out.append(Variant(arch, "store", name, d, dt))
+                    for g in GROUPS:
+                        out += [Variant(arch, "decode", name, d, dt, g, s) for s in (1, 4)]
+                        out.append(Variant(arch, "prefill", name, d, dt, g))
+    return out
+
+
+def quick_variants(archs: tuple[int, ...] = (90, 80)) -> list[Variant]:
+    """Each kernel at each head_dim on each arch (the subset ``make test`` runs)."""
+    out = []
+    for arch in archs:
+        for d in HEAD_DIMS:
+            out += [
+                Variant(arch, "store", "kvarn_k4v2_g128", d, "bf16"),
+                Variant(arch, "decode", "kvarn_k4v2_g128", d, "bf16", 7, 1),
+                Variant(arch, "decode", "kvarn_k4v2_g128", d, "fp16", 4, 4),
+                Variant(arch, "prefill", "kvarn_k4v2_g128", d, "bf16", 4),
+            ]
+    return out
+
+
+def launch(v: Variant) -> None:
+    """Call the launcher of ``v.op`` with small CPU tensors shaped like a serving step."""
+    scheme, d, dt, h = get_scheme(v.scheme), v.head_dim, DTYPES[v.dtype], KV_HEADS
+    t, bsz, tiles = scheme.group_size, 2, 3
+    i32 = torch.int32
+    if v.op == "store":
+        x = torch.zeros(bsz, h, t, d, dtype=dt)
+        cache = torch.zeros(bsz, h, scheme.tile_bytes(d), dtype=torch.uint8)
+        ops.store_tiles(x, x, cache, torch.arange(bsz, dtype=i32), scheme)
+        return
+    cache = torch.zeros(bsz * tiles, h, scheme.tile_bytes(d), dtype=torch.uint8)
+    table = torch.arange(bsz * tiles, dtype=i32).view(bsz, tiles)
+    num_tiles = torch.full((bsz,), tiles, dtype=i32)
+    tail = torch.zeros(bsz, h, t, d, dtype=dt)
+    tail_lens = torch.full((bsz,), 5, dtype=i32)
+    hq = h * v.group
+    if v.op == "decode":
+        q = torch.zeros(bsz, hq, d, dtype=dt)
+        ops.decode_attention(q, cache, table, num_tiles, tail, tail, tail_lens, scheme, num_splits=v.splits)
+    elif v.op == "prefill":
+        n = 3
+        q = torch.zeros(bsz * n, hq, d, dtype=dt)
+        k = torch.zeros(bsz * n, h, d, dtype=dt)
+        cu = torch.arange(0, bsz * n + 1, n, dtype=i32)
+        ops.prefill_attention(q, k, k, cu, cache, table, num_tiles, tail, tail, tail_lens, scheme)
+    else:
+        raise ValueError(f"unknown op {v.op!r}; allowed: store, decode, prefill")
+
+
+@dataclass
+class Row:
+    """One compiled kernel of one variant on one arch; ``error`` set when it did not compile."""
+
+    arch: int
+    variant: str
+    kernel: str
+    warps: int = 0
+    registers: int = 0
+    spill_bytes: int = 0  # spill stores + spill loads per thread, from ptxas -v
+    smem: int = 0  # bytes, metadata.shared
+    programs_per_sm: int = 0
+    error: str = ""
+
+    @property
+    def problems(self) -> list[str]:
+        return check_row(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "problems": self.problems}
+
+
+def check_row(row: Row) -> list[str]:
+    """Why ``row`` fails the gate: compile error, shared memory over a block's limit, spills."""
+    if row.error:
+        return [f"compile error: {row.error}"]
+    out = []
+    limit = ARCHS[row.arch].block_smem
+    if row.smem > limit:
+        out.append(f"shared memory {row.smem / 1024:.0f} KiB > {limit // 1024} KiB per block on sm_{row.arch}")
+    if row.spill_bytes:
+        out.append(f"{row.spill_bytes} bytes of register spills per thread")
+    if row.programs_per_sm < 1:
+        out.append("no program fits on one SM")
+    return out
+
+
+def programs_per_sm(arch: int, registers: int, warps: int, smem: int) -> int:
+    """Programs (blocks) resident on one SM: the least of the register, warp, block and smem limits.
+
+    Registers are allocated per warp in units of 256; every block reserves 1 KiB of shared memory.
+    """
+    a = ARCHS[arch]
+    per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = a.regs // (per_warp * warps)
+    by_smem = a.sm_smem // (smem + 1024)
+    return max(0, min(by_regs, a.max_warps // warps, a.max_blocks, by_smem))
+
+
+_PTXAS_RE = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "stores": re.compile(r"(\d+) bytes spill stores"),
+    "loads": re.compile(r"(\d+) bytes spill loads"),
+}
+
+
+def parse_ptxas(log: str) -> tuple[int, int]:
+    """``ptxas -v`` output -> (registers per thread, spill store + load bytes per thread)."""
+    found = {k: [int(x) for x in r.findall(log)] for k, r in _PTXAS_RE.items()}
+    if not found["registers"]:
+        raise ValueError(f"no 'Used N registers' line in ptxas output:\n{log[-2000:]}")
+    return max(found["registers"]), sum(found["stores"]) + sum(found["loads"])
+
+
+def _ptxas(arch: int) -> tuple[str, list[str]]:
+    """The ptxas Triton uses for ``arch`` and the flags it passes (beyond -v and --fmad)."""
+    from triton.backends.nvidia import compiler as nv
+
+    try:
+        tool = nv.get_ptxas(arch)
+    except TypeError:  # older Triton: one ptxas for every arch
+        tool = nv.get_ptxas()
+    flags = [f"--gpu-name={nv.sm_arch_from_capability(arch)}"]
+    if "--regAllocOptLevel=2" in Path(nv.__file__).read_text():  # Triton >= 3.7 works around a ptxas 13 bug
+        flags.append("--regAllocOptLevel=2")
+    return str(tool.path), flags
+
+
+def ptxas_usage(ptx: str, arch: int, fp_fusion: bool, cache_dir: Path) -> tuple[int, int]:
+    """Registers and spill bytes of ``ptx`` for ``arch``, from ``ptxas -v`` (cached by PTX hash)."""
+    exe, flags = _ptxas(arch)
+    cmd = [exe, "-v", *flags, *([] if fp_fusion else ["--fmad=false"])]
+    key = hashlib.sha256((" ".join(cmd[1:]) + ptx).encode()).hexdigest()[:32]
+    hit = cache_dir / f"{key}.json"
+    if hit.exists():
+        regs, spills = json.loads(hit.read_text())
+        return int(regs), int(spills)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        res = subprocess.run([*cmd, str(src), "-o", str(Path(tmp) / "k.o")], capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"ptxas failed ({res.returncode}): {res.stderr[-2000:]}")
+    regs, spills = parse_ptxas(res.stderr)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    hit.write_text(json.dumps([regs, spills]))
+    return regs, spills
+
+
+class StandInDriver(DriverBase):  # type: ignore[misc]
+    """A Triton driver for a GPU that is not there: compiles for ``arch``, launches nothing.
+
+    The device id is the arch, so each arch gets its own per-device kernel caches.
+    """
+
+    def __init__(self, arch: int) -> None:
+        self.arch = arch
+
+    @classmethod
+    def is_active(cls) -> bool:
+        return False
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        return ty
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", self.arch, 32)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def get_benchmarker(self) -> Any:
+        raise NotImplementedError("the stand-in driver compiles only")
+
+    def get_current_device(self) -> int:
+        return self.arch
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+
+class _Recorder:
+    """Turns every ``JITFunction`` launch into a compile-only warm-up and records the kernels."""
+
+    def __init__(self) -> None:
+        self.kernels: list[tuple[str, Any]] = []
+        self.current = ""
+        self._orig = JITFunction.run
+
+    def __enter__(self) -> _Recorder:
+        orig, rec = self._orig, self
+
+        def run(fn: JITFunction[Any], *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+            rec.current = fn.fn.__name__
+            kernel = orig(fn, *args, grid=grid, warmup=True, **kwargs)
+            rec.kernels.append((fn.fn.__name__, kernel))
+            return kernel
+
+        JITFunction.run = run
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        JITFunction.run = self._orig
+
+
+def _first_lines(e: BaseException, n: int = 6) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return " | ".join(lines[:n] + (lines[-2:] if len(lines) > n + 2 else []))
+
+
+def compile_variant(v: Variant, cache_dir: Path | None = None) -> list[Row]:
+    """Compile one variant on its arch through the real launcher; one row per kernel it launches."""
+    if not isinstance(store_side_kernel, JITFunction):
+        raise RuntimeError("kvarn's kernels are interpreted (TRITON_INTERPRET=1): run the gate without it")
+    return compile_call(lambda: launch(v), v.arch, v.name, v.op, cache_dir)
+
+
+def compile_call(
+    call: Callable[[], object], arch: int, variant: str, what: str, cache_dir: Path | None = None
+) -> list[Row]:
+    """Run ``call`` (which launches Triton kernels) with every launch compiled for ``arch`` instead.
+
+    Returns one row per distinct kernel compiled; a single row with ``error`` set when compiling
+    raised (``what`` names it when no kernel had started) or when nothing was compiled.
+    """
+    cache = cache_dir or Path(triton.knobs.cache.dir) / "kvarn-gate"
+    drivers = triton.runtime.driver
+    before = drivers._active  # no real driver exists without a GPU: restore the slot, not a default
+    drivers.set_active(StandInDriver(arch))
+    rec = _Recorder()
+    try:
+        with rec:
+            call()
+    except Exception as e:  # a compile error is a result, reported in the table
+        return [Row(arch, variant, rec.current or what, error=_first_lines(e))]
+    finally:
+        drivers._active = before
+    if not rec.kernels:
+        return [Row(arch, variant, what, error="no kernel was compiled")]
+    rows, seen = [], set()
+    for name, k in rec.kernels:
+        if k.hash in seen:
+            continue
+        seen.add(k.hash)
+        md = k.metadata
+        try:
+            regs, spills = ptxas_usage(k.asm["ptx"], arch, bool(md.enable_fp_fusion), cache)
+        except (RuntimeError, ValueError) as e:
+            rows.append(Row(arch, variant, name, md.num_warps, error=_first_lines(e)))
+            continue
+        occ = programs_per_sm(arch, regs, md.num_warps, md.shared)
+        rows.append(Row(arch, variant, name, md.num_warps, regs, spills, md.shared, occ))
+    return rows
+
+
+def compile_variants(variants: list[Variant], cache_dir: Path | None = None) -> Iterator[Row]:
+    """Compile ``variants`` in order, yielding rows as they come (see :func:`compile_variant`)."""
+    for v in variants:
+        yield from compile_variant(v, cache_dir)
