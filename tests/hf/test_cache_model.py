@@ -18,7 +18,7 @@ LAYERS, KV_HEADS, D = 30, 3, 64
 def model_and_ids() -> tuple[Any, torch.Tensor]:
     from kvarn.eval.harness import _loaded, default_text
 
-    model, tok = _loaded("smollm2-135m")
+    model, tok = _loaded("smollm2-135m", torch.device("cpu"), torch.float32)  # shared with tests/eval
     return model, tok(default_text(), return_tensors="pt").input_ids[:, :256]
 
 
