@@ -125,10 +125,15 @@ def cache_geometry(config: Any) -> CacheGeometry:
 
     Raises:
         ValueError: a layer type other than full or sliding-window attention (the message lists the
-            model's types and the supported ones), a sliding layer without a window, or layers whose
-            KV heads or head_dim differ.
+            model's types and the supported ones), a sliding layer without a window, layers whose
+            head_dim differs (Gemma 4's ``global_head_dim``), or latent attention (MLA).
     """
     text = _text_config(config)
+    if getattr(text, "kv_lora_rank", None):  # DeepSeek-style MLA: a latent, keys wider than values
+        raise ValueError(
+            "KVarNCache does not support latent attention (MLA, kv_lora_rank set): its keys and values have "
+            "different widths, and KVarN's int4 latent layout is not implemented here"
+        )
     types, windows = _layer_types_and_windows(text)
     other = sorted(set(types) - set(LAYER_TYPES))
     if other:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig
+from transformers import DeepseekV3Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen3NextConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvarn.codec import dequantize_tiles, quantize_tiles
@@ -138,3 +138,7 @@ def test_errors_name_the_problem() -> None:
         cache_geometry(SimpleNamespace(**base, layer_types=["sliding_attention", "full_attention"]))
     with pytest.raises(ValueError, match="global_head_dim 512"):
         cache_geometry(SimpleNamespace(**base, global_head_dim=512))
+    with pytest.raises(ValueError, match="latent attention"):
+        cache_geometry(DeepseekV3Config(num_hidden_layers=2))
+    with pytest.raises(ValueError, match="also has linear_attention"):
+        cache_geometry(Qwen3NextConfig(num_hidden_layers=4))
