@@ -69,7 +69,9 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="all",
         help="comma-separated: fp16, kvarn presets/canonical names, baselines; groups: all (default), kvarn, baselines",
     )
-    p.add_argument("--text", type=Path, help="UTF-8 text file (default: the bundled GPL-3)")
+    p.add_argument(
+        "--text", type=Path, help="UTF-8 text file (default: the bundled GPL-3, then Apache-2.0; 9,881 SmolLM2 tokens)"
+    )
     p.add_argument("--tokens", type=_positive("--tokens", 2), default=2048, help="first N tokens (default 2048)")
     p.add_argument("--chunk", type=_positive("--chunk", 1), default=128, help="tokens per forward pass (default 128)")
     p.add_argument(
@@ -119,7 +121,7 @@ def run_eval(args: argparse.Namespace) -> int:
         print(f"kvarn eval: note: the text has only {ev.tokens} tokens; evaluating all of them", file=sys.stderr)
     meta = {
         "model": args.model,
-        "text": str(args.text) if args.text else "gpl-3 (bundled)",
+        "text": str(args.text) if args.text else "gpl-3 + apache-2.0 (bundled)",
         "text_sha256": ev.text_sha256,
         "chunk": args.chunk,
         "greedy_tokens": args.greedy_tokens,

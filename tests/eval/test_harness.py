@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,3 +74,16 @@ def test_bad_input_errors(ev: Evaluator) -> None:
     short = Evaluator(text="The GNU General Public License is a free license. " * 8, chunk=CHUNK)
     with pytest.raises(ValueError, match="too short"):
         short.evaluate("kvarn_k4v2_g128", progress=False)
+
+
+def test_default_text_is_long_enough_for_smollm2s_context() -> None:
+    from transformers import AutoTokenizer
+
+    from kvarn.eval.harness import default_text
+    from kvarn.models import resolve_model
+
+    text = default_text()
+    gpl = (Path(__file__).parents[2] / "kvarn" / "data" / "gpl-3.txt").read_text(encoding="utf-8")
+    assert text.startswith(gpl.strip("\n")) and "Apache License" in text[len(gpl) :]
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    assert len(tok(text).input_ids) >= 8192  # --tokens 8192 evaluates SmolLM2's whole context
