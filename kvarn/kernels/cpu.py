@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from kvarn.kernels import cpu_torch
+from kvarn.kernels import cpu_native, cpu_torch
 from kvarn.kernels._checks import FLOAT_DTYPES, KernelArgumentError, check_tensor
 from kvarn.kernels.cpu_args import CPU, check_paged
 from kvarn.schemes.scheme import Scheme
 
 __all__ = ["decode_attention", "prefill_attention"]
+
+IMPLS = ("auto", "native", "torch")
 
 
 def decode_attention(
@@ -43,6 +45,7 @@ def decode_attention(
     sink_slot: torch.Tensor | None = None,
     sm_scale: float | None = None,
     out: torch.Tensor | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged, packed context, on the CPU.
 
@@ -60,6 +63,8 @@ def decode_attention(
             ``[B, H, S, D]`` or a pool ``[num_sink_slots, H, S, D]`` read at ``sink_slot[b]``.
         sm_scale: softmax scale, default ``1/sqrt(D)``.
         out: optional ``[B, Hq, D]`` output buffer.
+        impl: ``auto`` (the native kernel when it builds, else torch), ``native`` (error without
+            it) or ``torch`` (the vectorized PyTorch path).
 
     Returns:
         ``[B, Hq, D]`` in ``query``'s dtype (``out`` when given); zeros for a sequence with no token.
@@ -72,9 +77,16 @@ def decode_attention(
         scheme, bsz, hq, d, cache, block_table, num_tiles,
         (tail_k, tail_v, tail_lens, tail_slot), (sink_k, sink_v, sink_lens, sink_slot), sm_scale,
     )  # fmt: skip
+    if impl not in IMPLS:
+        raise KernelArgumentError(f"impl={impl!r} is not one of: {', '.join(IMPLS)}")
     out = _output(out, query, (bsz, hq, d))
-    if bsz:
-        out.copy_(cpu_torch.decode(p, query, block_table, num_tiles))
+    if not bsz:
+        return out
+    if impl != "torch" and cpu_native.decode(p, query, block_table, num_tiles, out):
+        return out
+    if impl == "native":
+        raise KernelArgumentError("impl='native': the native kernel is not built or does not take these tensors")
+    out.copy_(cpu_torch.decode(p, query, block_table, num_tiles))
     return out
 
 

@@ -7,16 +7,26 @@ queries; half-precision inputs are rounded the same way for the oracle).
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
 
-from kvarn.kernels import KernelArgumentError, cpu
+from kvarn.kernels import KernelArgumentError, cpu, cpu_native
 from kvarn.schemes import Scheme
 
 from ._reference import PagedBatch, attention, paged_batch, sqnr_db
 
 MIN_SQNR_DB = 60.0
+HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
+# every decode case runs through both paths: the native kernel (where it builds) and vectorized torch
+IMPLS = ["torch", "native"] if HAS_COMPILER else ["torch"]
+
+
+def test_native_kernel_builds() -> None:
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler: the ops use the torch path")
+    assert cpu_native.library() is not None
 
 
 def scheme(name: str, sink_tokens: int = 0) -> Scheme:
@@ -62,12 +72,13 @@ def _decode_check(sc: Scheme, lens: list[int], hkv: int, group: int, d: int, poo
     pb = paged_batch(sc, lens, hkv, d, seed=seed)
     a = staging(sc, pb, pooled, seed)
     q = torch.randn(len(lens), hkv * group, d, generator=torch.Generator().manual_seed(seed))
-    out = cpu.decode_attention(
-        q, pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, **a.kwargs
-    )
-    assert out.shape == q.shape and out.dtype == q.dtype
     ref = torch.cat([attention(q[b : b + 1], pb.context_k[b], pb.context_v[b]) for b in range(len(lens))])
-    assert sqnr_db(ref, out) >= MIN_SQNR_DB
+    for impl in IMPLS:
+        out = cpu.decode_attention(
+            q, pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, impl=impl, **a.kwargs
+        )
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert sqnr_db(ref, out) >= MIN_SQNR_DB, impl
 
 
 @pytest.mark.parametrize(
@@ -117,18 +128,20 @@ def test_decode_half_precision_and_out_buffer() -> None:
         a = staging(sc, dataclasses.replace(pb, tail_k=pb.tail_k.to(dtype), tail_v=pb.tail_v.to(dtype)), True)
         a.kwargs.update(sink_k=a.kwargs["sink_k"].to(dtype), sink_v=a.kwargs["sink_v"].to(dtype))  # type: ignore[union-attr]
         q = torch.randn(2, 4, 64).to(dtype)
-        out = torch.full((2, 4, 64), float("nan"), dtype=dtype)
-        got = cpu.decode_attention(
-            q, pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, out=out, **a.kwargs
-        )
-        assert got is out
         ctx = [(k.clone(), v.clone()) for k, v in zip(pb.context_k, pb.context_v, strict=True)]
         for b, (k, v) in enumerate(ctx):  # the oracle sees the unquantized rows rounded like the inputs
             n = k.shape[1] - int(pb.tail_lens[b])
             k[:, n:], v[:, n:] = k[:, n:].to(dtype).float(), v[:, n:].to(dtype).float()
             k[:, :2], v[:, :2] = k[:, :2].to(dtype).float(), v[:, :2].to(dtype).float()
         ref = torch.cat([attention(q[b : b + 1].float(), *ctx[b]) for b in range(2)])
-        assert sqnr_db(ref, out.float()) >= 40.0  # output rounding of half precision
+        for impl, out_dtype in [(i, dtype) for i in IMPLS] + [("auto", torch.float32)]:
+            out = torch.full((2, 4, 64), float("nan"), dtype=out_dtype)
+            got = cpu.decode_attention(
+                q, pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, out=out, impl=impl,
+                **a.kwargs,
+            )  # fmt: skip
+            assert got is out
+            assert sqnr_db(ref, out.float()) >= 40.0, impl  # output rounding of half precision
 
 
 def test_decode_sequence_without_tokens_gets_zeros() -> None:
@@ -137,9 +150,24 @@ def test_decode_sequence_without_tokens_gets_zeros() -> None:
     lens = torch.tensor([0, 5], dtype=torch.int32)
     q = torch.randn(2, 2, 64)
     tiles = torch.tensor([0, 0], dtype=torch.int32)
-    out = cpu.decode_attention(q, pb.cache, pb.block_table, tiles, pb.tail_k, pb.tail_v, lens, sc)
-    assert torch.equal(out[0], torch.zeros(2, 64))
-    assert sqnr_db(attention(q[1:], pb.tail_k[1, :, :5], pb.tail_v[1, :, :5]), out[1:]) >= MIN_SQNR_DB
+    for impl in IMPLS:
+        out = cpu.decode_attention(q, pb.cache, pb.block_table, tiles, pb.tail_k, pb.tail_v, lens, sc, impl=impl)
+        assert torch.equal(out[0], torch.zeros(2, 64))
+        assert sqnr_db(attention(q[1:], pb.tail_k[1, :, :5], pb.tail_v[1, :, :5]), out[1:]) >= MIN_SQNR_DB
+
+
+def test_decode_mixed_dtypes_fall_back_to_torch() -> None:
+    """Tails in another dtype than the query: the native kernel declines, the torch path answers."""
+    sc = scheme("kvarn_k4v2_g32")
+    pb = paged_batch(sc, [2 * 32 + 3], 1, 64)
+    q = torch.randn(1, 2, 64)
+    args = (q, pb.cache, pb.block_table, pb.num_tiles, pb.tail_k.half(), pb.tail_v.half(), pb.tail_lens, sc)
+    if HAS_COMPILER:
+        with pytest.raises(KernelArgumentError, match="native"):
+            cpu.decode_attention(*args, impl="native")
+    ctx_k, ctx_v = pb.context_k[0].clone(), pb.context_v[0].clone()
+    ctx_k[:, -3:], ctx_v[:, -3:] = ctx_k[:, -3:].half().float(), ctx_v[:, -3:].half().float()
+    assert sqnr_db(attention(q, ctx_k, ctx_v), cpu.decode_attention(*args)) >= MIN_SQNR_DB
 
 
 @pytest.mark.parametrize(

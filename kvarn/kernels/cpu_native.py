@@ -1,0 +1,174 @@
+"""Build, load and call the native CPU decode kernel (C++ source in :mod:`kvarn.kernels.cpu_native_src`).
+
+The library is compiled on first use with the system C++ compiler (``g++``/``c++``, about 3 s)
+into ``<kvarn cache>/native/kvarn_cpu_<hash>.so``, keyed by the source, the flags and the CPU, and
+loaded with ``ctypes`` (no Python headers, no torch headers: nothing to rebuild when they change).
+``python -m kvarn.kernels.cpu_native`` builds it ahead of time. It links OpenMP by soname, so in a
+process that imported torch it shares torch's OpenMP runtime and thread count.
+Without a compiler, or if the build fails, :func:`library` returns None (logged once) and the
+ops use the vectorized torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvarn.codec.tiles import layout
+from kvarn.kernels._checks import log8_table, rotation
+from kvarn.kernels.cpu_args import CPU, Paged
+from kvarn.kernels.cpu_native_src import SOURCE
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC")
+NATIVE_FLAGS = ("-march=native",)  # retried without when the compiler refuses it
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class _Args(ctypes.Structure):
+    """Mirror of ``struct Args`` in the C++ source (every field 8 bytes, same order)."""
+
+    _fields_ = [
+        *((n, _I) for n in ("B", "H", "G", "D", "T", "KB", "VB", "LOG8", "SPLITS", "NTHREADS")),
+        *((n, _I) for n in ("KC", "VC", "KS", "KO", "KF", "VS", "VO", "VF", "DTYPE", "SINK_TOKENS", "SINK_CAP")),
+        ("cache", _P), ("cache_sb", _I), ("cache_sh", _I), ("block_table", _P), ("bt_sb", _I), ("num_tiles", _P),
+        ("q", _P), ("q_sb", _I), ("q_sh", _I),
+        ("tail_k", _P), ("tail_v", _P), ("tail_ss", _I), ("tail_sh", _I), ("tail_st", _I),
+        ("tail_slot", _P), ("tail_lens", _P),
+        ("sink_k", _P), ("sink_v", _P), ("sink_ss", _I), ("sink_sh", _I), ("sink_st", _I),
+        ("sink_slot", _P), ("sink_lens", _P),
+        ("rot", _P), ("rot_t", _P), ("lut", _P), ("scale", ctypes.c_double), ("out", _P), ("out_sb", _I), ("out_sh", _I),
+    ]  # fmt: skip
+
+
+def build_dir() -> Path:
+    """Where built libraries live: ``native/`` under kvarn's cache directory."""
+    from kvarn.models import default_cache_dir
+
+    return default_cache_dir() / "native"
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return platform.machine() + flags
+
+
+def _compile(compiler: str, target: Path) -> None:
+    """Compile the source to ``target`` atomically (a temp file in the same folder, then a rename)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, lib = Path(tmp) / "kvarn_cpu.cpp", Path(tmp) / target.name
+        src.write_text(SOURCE)
+        for extra in (NATIVE_FLAGS, ()):
+            cmd = [compiler, *FLAGS, *extra, str(src), "-o", str(lib)]
+            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if res.returncode == 0:
+                os.replace(lib, target)
+                return
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The loaded native library, built on first use; None when it cannot be built (logged once)."""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        log.warning("kvarn: no C++ compiler (g++/c++) found; CPU attention uses the slower torch path")
+        return None
+    key = hashlib.sha256("\0".join([SOURCE, *FLAGS, *NATIVE_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
+    target = build_dir() / f"kvarn_cpu_{key}.so"
+    try:
+        if not target.exists():
+            _compile(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError) as e:
+        log.warning("kvarn: building the native CPU kernel failed (%s); CPU attention uses the torch path", e)
+        return None
+    lib.kvarn_decode.argtypes = [ctypes.POINTER(_Args)]
+    lib.kvarn_decode.restype = ctypes.c_int
+    return lib
+
+
+@functools.lru_cache(maxsize=16)
+def _rotations(kind: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``R`` and ``R^T``, ``[D, D]`` float32 contiguous (kept alive by the cache)."""
+    r = rotation(kind, head_dim, CPU)
+    return r, r.T.contiguous()
+
+
+def choose_splits(bsz: int, num_kv_heads: int, threads: int) -> int:
+    """Splits of each sequence's tiles: enough tasks to keep ``threads`` busy (about 4 per thread)."""
+    return max(1, min(16, -(-4 * threads // max(1, bsz * num_kv_heads))))
+
+
+def _i32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def decode(
+    p: Paged, query: torch.Tensor, block_table: torch.Tensor, num_tiles: torch.Tensor, out: torch.Tensor
+) -> bool:
+    """Native decode into ``out`` ``[B, Hq, D]``; False (nothing written) when the library is missing
+    or the tensors do not fit it (mixed dtypes, different strides of keys and values)."""
+    lib = library()
+    dtype = query.dtype
+    rows = [(p.tail_k, p.tail_v)] + ([(p.sink_k, p.sink_v)] if p.sink_k is not None and p.sink_v is not None else [])
+    if lib is None or any(k.dtype != dtype or k.stride() != v.stride() for k, v in rows):
+        return False
+    bsz, hq, d = query.shape
+    h, sc, t = p.cache.shape[1], p.scheme, p.scheme.group_size
+    dst = out if out.dtype == dtype and out.stride(-1) == 1 else torch.empty_like(query)
+    lay = layout(sc, d)
+    threads = torch.get_num_threads()
+    keep = [_i32(block_table), _i32(num_tiles), _i32(p.tail_lens)]
+    a = _Args(
+        bsz, h, hq // h, d, t, sc.key_bits, sc.value_bits, sc.scale_dtype == "log8",
+        choose_splits(bsz, h, threads), threads,
+        lay.key_codes, lay.value_codes, lay.key_scale, lay.key_offset, lay.key_factor,
+        lay.value_scale, lay.value_offset, lay.value_factor, _DTYPES[dtype], sc.sink_tokens,
+        0 if p.sink_k is None else p.sink_k.shape[2],
+    )  # fmt: skip
+    a.cache, a.cache_sb, a.cache_sh = p.cache.data_ptr(), p.cache.stride(0), p.cache.stride(1)
+    a.block_table, a.bt_sb, a.num_tiles = keep[0].data_ptr(), keep[0].stride(0), keep[1].data_ptr()
+    a.q, a.q_sb, a.q_sh = query.data_ptr(), query.stride(0), query.stride(1)
+    a.tail_k, a.tail_v, a.tail_lens = p.tail_k.data_ptr(), p.tail_v.data_ptr(), keep[2].data_ptr()
+    a.tail_ss, a.tail_sh, a.tail_st = p.tail_k.stride()[:3]
+    if p.tail_slot is not None:
+        keep.append(_i32(p.tail_slot))
+        a.tail_slot = keep[-1].data_ptr()
+    if p.sink_k is not None and p.sink_v is not None and p.sink_lens is not None:
+        keep.append(_i32(p.sink_lens))
+        a.sink_k, a.sink_v, a.sink_lens = p.sink_k.data_ptr(), p.sink_v.data_ptr(), keep[-1].data_ptr()
+        a.sink_ss, a.sink_sh, a.sink_st = p.sink_k.stride()[:3]
+        if p.sink_slot is not None:
+            keep.append(_i32(p.sink_slot))
+            a.sink_slot = keep[-1].data_ptr()
+    if sc.rotation != "none":
+        a.rot, a.rot_t = (m.data_ptr() for m in _rotations(sc.rotation, d))
+    a.lut, a.scale = log8_table(CPU).data_ptr(), p.sm_scale
+    a.out, a.out_sb, a.out_sh = dst.data_ptr(), dst.stride(0), dst.stride(1)
+    lib.kvarn_decode(ctypes.byref(a))
+    if dst is not out:
+        out.copy_(dst)
+    return True
+
+
+if __name__ == "__main__":
+    lib = library()
+    print(f"built: {build_dir()}" if lib is not None else "no native CPU kernel (see the warning above)")

@@ -1,0 +1,513 @@
+"""C++ source of the native CPU decode kernel, compiled on first use by :mod:`kvarn.kernels.cpu_native`.
+
+Kept as a string so that it ships inside the Python package without package-data rules. The
+kernel is plain C++17 with OpenMP (no intrinsics but F16C's half conversion where available); it
+is compiled with ``-O3 -march=native`` so the loops vectorize for the machine that runs it.
+
+One task per (sequence, KV head, split of its tiles) streams its tiles record by record: a row of
+codes is unpacked into floats in L1 and dotted with the ``G`` query heads of that KV head at once
+(``score = kf * ((q_r * ks) . codes + q_r . ko)``, online softmax per tile,
+``acc_r += vf * ((p * vs) @ codes + p . vo)``); one more task per (sequence, KV head) attends the
+exact rows (sink, tail) with the unrotated query. A second parallel loop merges the partial
+softmax states, un-rotates the tile part and writes the output in the query's dtype.
+"""
+
+SOURCE = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// 8-lane vectors (GCC/Clang vector extensions): AVX2 with -march=native, pairs of SSE otherwise
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint8_t v8b __attribute__((vector_size(8)));
+
+inline v8f loadv(const float* p) { v8f v; std::memcpy(&v, p, 32); return v; }
+inline void storev(float* p, v8f v) { std::memcpy(p, &v, 32); }
+inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+struct Args {  // every field 8 bytes: mirrored by ctypes in cpu_native.py
+  int64_t B, H, G, D, T, KB, VB, LOG8, SPLITS, NTHREADS;
+  int64_t KC, VC, KS, KO, KF, VS, VO, VF;   // byte offsets of the record's sections
+  int64_t DTYPE;                            // of query, rows and output: 0 f32, 1 f16, 2 bf16
+  int64_t SINK_TOKENS;                      // > 0: sink rows replace tile 0's first positions
+  int64_t SINK_CAP;                         // rows per sink slot (0: no sink)
+  const uint8_t* cache; int64_t cache_sb, cache_sh;             // byte strides
+  const int32_t* block_table; int64_t bt_sb;
+  const int32_t* num_tiles;
+  const void* q; int64_t q_sb, q_sh;                            // element strides
+  const void* tail_k; const void* tail_v; int64_t tail_ss, tail_sh, tail_st;
+  const int32_t* tail_slot; const int32_t* tail_lens;           // tail_slot may be null (slot b)
+  const void* sink_k; const void* sink_v; int64_t sink_ss, sink_sh, sink_st;
+  const int32_t* sink_slot; const int32_t* sink_lens;
+  const float* rot; const float* rot_t;                         // R and R^T [D, D] contiguous, or null
+  const float* lut;                                             // [256] log8 values
+  double scale;
+  void* out; int64_t out_sb, out_sh;
+};
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int e = -1;
+    do { man <<= 1; ++e; } while (!(man & 0x400));
+    bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+  }
+  float f; std::memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+inline uint16_t float_to_half(float f) {
+#if defined(__F16C__)
+  return _cvtss_sh(f, 0);
+#else
+  uint32_t x; std::memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000; int32_t e = (int32_t)((x >> 23) & 0xff) - 112; uint32_t m = x & 0x7fffff;
+  if (((x >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00 | (m ? 0x200 : 0));
+  if (e >= 31) return (uint16_t)(sign | 0x7c00);
+  if (e <= 0) {
+    if (e < -10) return (uint16_t)sign;
+    m |= 0x800000; uint32_t shift = (uint32_t)(14 - e), half = m >> shift, rem = m & ((1u << shift) - 1), mid = 1u << (shift - 1);
+    if (rem > mid || (rem == mid && (half & 1))) ++half;
+    return (uint16_t)(sign | half);
+  }
+  uint32_t h = sign | ((uint32_t)e << 10) | (m >> 13), rem = m & 0x1fff;
+  if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) ++h;
+  return (uint16_t)h;
+#endif
+}
+
+inline float load(const void* p, int64_t i, int64_t dtype) {
+  if (dtype == 0) return static_cast<const float*>(p)[i];
+  uint16_t h = static_cast<const uint16_t*>(p)[i];
+  if (dtype == 1) return half_to_float(h);
+  uint32_t bits = (uint32_t)h << 16; float f; std::memcpy(&f, &bits, 4); return f;
+}
+
+inline void store(void* p, int64_t i, float v, int64_t dtype) {
+  if (dtype == 0) { static_cast<float*>(p)[i] = v; return; }
+  uint16_t h;
+  if (dtype == 1) {
+    h = float_to_half(v);
+  } else {  // bf16, round to nearest even
+    uint32_t x; std::memcpy(&x, &v, 4);
+    h = std::isnan(v) ? (uint16_t)((x >> 16) | 0x40) : (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);
+  }
+  static_cast<uint16_t*>(p)[i] = h;
+}
+
+// stored params: fp16, or one log8 byte (scales, factors) / int8 zero point times the scale (offsets)
+inline void positives(const uint8_t* src, int64_t n, bool log8, const float* lut, float* dst) {
+  if (log8) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = lut[src[i]];
+    return;
+  }
+#if defined(__F16C__) && defined(__FLT16_MAX__)
+  typedef _Float16 v8h __attribute__((vector_size(16)));
+  for (int64_t i = 0; i < n; i += 8) {  // n is a multiple of 8 (head_dim >= 64, group_size >= 32)
+    v8h x;
+    std::memcpy(&x, src + 2 * i, 16);
+    storev(dst + i, __builtin_convertvector(x, v8f));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) { uint16_t h; std::memcpy(&h, src + 2 * i, 2); dst[i] = half_to_float(h); }
+#endif
+}
+
+inline void offsets(const uint8_t* src, int64_t n, bool log8, const float* scale, float* dst) {
+  if (!log8) {
+    positives(src, n, false, nullptr, dst);  // fp16 minimum, same decoding
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = (float)(int8_t)src[i] * scale[i];
+}
+
+// The codes of a [T, D] section are packed in planes (8 -> [8], 4 -> [4], 3 -> [2, 1], 2 -> [2]); in
+// a W-bit plane byte i of row t holds channels i*P .. i*P+P-1 (P = 8/W), low bits first. A row is
+// unpacked plane by plane in "plane order": position k*D + j*(D/P) + i holds channel i*P + j of plane
+// k (times 2**shift), so unpacking reads and writes contiguously and vectorizes; the query is
+// permuted into the same order once per tile instead, and value sums are permuted back per tile.
+template <int BITS> struct Planes;
+template <> struct Planes<8> { static constexpr int N = 1, W[1] = {8}, SHIFT[1] = {0}; };
+template <> struct Planes<4> { static constexpr int N = 1, W[1] = {4}, SHIFT[1] = {0}; };
+template <> struct Planes<2> { static constexpr int N = 1, W[1] = {2}, SHIFT[1] = {0}; };
+template <> struct Planes<3> { static constexpr int N = 2, W[2] = {2, 1}, SHIFT[2] = {0, 2}; };
+
+// 8 bytes zero-extended to 8 int32 lanes (GCC builds the generic form from scalar inserts)
+inline v8i widen8(const uint8_t* p) {
+#if defined(__AVX2__)
+  return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  v8b raw;
+  std::memcpy(&raw, p, 8);
+  return __builtin_convertvector(raw, v8i);
+#endif
+}
+
+// one W-bit plane of rows 0..T-1 into plane order: out[t * L + j * n + c] (L floats per row)
+template <int W>
+inline void plane_rows(const uint8_t* plane, int64_t T, int64_t D, int shift, int64_t L, float* out) {
+  constexpr int P = 8 / W;
+  constexpr int MASK = (1 << W) - 1;
+  const int64_t n = D / P;  // bytes per row, a multiple of 8 for every head_dim >= 64
+  for (int64_t t = 0; t < T; ++t) {
+    const uint8_t* row = plane + t * n;
+    float* o = out + t * L;
+    for (int64_t c = 0; c < n; c += 8) {
+      const v8i x = widen8(row + c);
+      for (int j = 0; j < P; ++j) storev(o + j * n + c, __builtin_convertvector(((x >> (j * W)) & MASK) << shift, v8f));
+    }
+  }
+}
+
+// all rows of a code section: [T, L] floats, L = planes * D
+template <int BITS>
+inline void unpack_tile(const uint8_t* sec, int64_t T, int64_t D, float* out) {
+  const int64_t L = Planes<BITS>::N * D;
+  const uint8_t* plane = sec;
+  for (int k = 0; k < Planes<BITS>::N; ++k) {
+    const int w = Planes<BITS>::W[k], shift = Planes<BITS>::SHIFT[k];
+    if (w == 8) plane_rows<8>(plane, T, D, shift, L, out + k * D);
+    else if (w == 4) plane_rows<4>(plane, T, D, shift, L, out + k * D);
+    else if (w == 2) plane_rows<2>(plane, T, D, shift, L, out + k * D);
+    else plane_rows<1>(plane, T, D, shift, L, out + k * D);
+    plane += T * D * w / 8;
+  }
+}
+
+// the 8 lane sums of v[0..7], as one vector
+inline v8f hsum8(const v8f* v) {
+#if defined(__AVX__)
+  const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  return _mm256_permute2f128_ps(ab, cd, 0x20) + _mm256_permute2f128_ps(ab, cd, 0x31);
+#else
+  v8f r;
+  for (int i = 0; i < 8; ++i) { float x = 0.f; for (int k = 0; k < 8; ++k) x += v[i][k]; r[i] = x; }
+  return r;
+#endif
+}
+
+// channel of each plane-order position: [N * D]
+template <int BITS>
+void plane_channels(int64_t D, int32_t* idx) {
+  for (int k = 0; k < Planes<BITS>::N; ++k) {
+    const int64_t P = 8 / Planes<BITS>::W[k], n = D / P;
+    for (int64_t j = 0; j < P; ++j)
+      for (int64_t i = 0; i < n; ++i) idx[k * D + j * n + i] = (int32_t)(i * P + j);
+  }
+}
+
+struct Scratch {
+  std::vector<float> rows, qs, c, s, tmp, nat, ks, ko, kf, vs, vo, vf;
+  std::vector<v8f> red;
+  std::vector<int32_t> kidx, vidx;
+  void fit(int64_t G, int64_t T, int64_t D) {
+    const int64_t L = 2 * D;  // at most two planes
+    const int64_t G4 = (G + 3) / 4 * 4;  // query heads in groups of four
+    rows.resize(T * L); qs.resize(G4 * L); c.resize(G); s.resize(G * T); tmp.resize(G4 * L); nat.resize(D);
+    ks.resize(D); ko.resize(D); kf.resize(T); vs.resize(T); vo.resize(T); vf.resize(D);
+    red.resize(4 * 8); kidx.resize(L); vidx.resize(L);
+  }
+};
+
+// exp for x <= 0 (Cephes' expf polynomial, relative error ~2e-7), written so that loops of it vectorize
+inline float exp_neg(float x) {
+  const float n = __builtin_floorf(x * 1.44269504f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  const int32_t bits = ((int32_t)std::max(n, -126.f) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return x < -87.f ? 0.f : y * scale;
+}
+
+// online softmax over one block of scores s[G][n]: rescales acc/l, turns s into probabilities
+inline bool softmax_step(float* s, int64_t G, int64_t n, int64_t D, float* m, float* l, float* acc) {
+  bool any = false;
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * n;
+    float mt = -INFINITY;
+    #pragma omp simd reduction(max : mt)
+    for (int64_t t = 0; t < n; ++t) mt = std::max(mt, sg[t]);
+    const float mn = std::max(m[g], mt);
+    if (mn == -INFINITY) {  // nothing attended yet
+      std::fill(sg, sg + n, 0.f);
+      continue;
+    }
+    any = true;
+    const float alpha = m[g] == -INFINITY ? 0.f : exp_neg(m[g] - mn);
+    float sum = 0.f;
+    #pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      const float p = exp_neg(sg[t] - mn);  // -inf - mn = -inf -> 0
+      sg[t] = p;
+      sum += p;
+    }
+    l[g] = l[g] * alpha + sum;
+    if (alpha != 1.f)
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= alpha;
+    m[g] = mn;
+  }
+  return any;
+}
+
+// scores of rows 0..T-1 for query heads g0..g0+3 (qs rows beyond G are zeros): s[g][t]
+inline void key_scores(const float* rows, const float* qs, int64_t T, int64_t L, int64_t g0, int64_t G, float* s,
+                       v8f* red) {
+  const float* q0 = qs + g0 * L;
+  for (int64_t t8 = 0; t8 < T; t8 += 8) {
+    for (int r = 0; r < 8; ++r) {
+      const float* row = rows + (t8 + r) * L;
+      v8f a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t x = 0; x < L; x += 8) {
+        const v8f v = loadv(row + x);
+        a0 += v * loadv(q0 + x); a1 += v * loadv(q0 + L + x);
+        a2 += v * loadv(q0 + 2 * L + x); a3 += v * loadv(q0 + 3 * L + x);
+      }
+      red[r] = a0; red[8 + r] = a1; red[16 + r] = a2; red[24 + r] = a3;
+    }
+    for (int k = 0; k < 4 && g0 + k < G; ++k) storev(s + (g0 + k) * T + t8, hsum8(red + 8 * k));
+  }
+}
+
+// tmp[g][x] = sum_t p[g][t] * rows[t][x] for query heads g0..g0+3, 64 columns at a time in registers
+inline void value_sums(const float* rows, const float* p, int64_t T, int64_t L, int64_t g0, int64_t G, float* tmp) {
+  for (int64_t g = g0; g < std::min(g0 + 4, G); ++g) {
+    const float* pg = p + g * T;
+    for (int64_t x0 = 0; x0 < L; x0 += 64) {
+      v8f acc[8];
+      for (int k = 0; k < 8; ++k) acc[k] = splat(0.f);
+      const int64_t nk = std::min<int64_t>(8, (L - x0) / 8);
+      for (int64_t t = 0; t < T; ++t) {
+        const v8f w = splat(pg[t]);
+        const float* row = rows + t * L + x0;
+        for (int k = 0; k < nk; ++k) acc[k] += w * loadv(row + 8 * k);
+      }
+      for (int k = 0; k < nk; ++k) storev(tmp + g * L + x0 + 8 * k, acc[k]);
+    }
+  }
+}
+
+template <int KB, int VB>
+void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t sink_n, const float* qr,
+                float* m, float* l, float* acc, Scratch& w) {
+  const int64_t G = a.G, D = a.D, T = a.T;
+  const int64_t LK = Planes<KB>::N * D, LV = Planes<VB>::N * D;
+  const bool log8 = a.LOG8 != 0;
+  float* rows = w.rows.data(); float* qs = w.qs.data(); float* c = w.c.data(); float* s = w.s.data();
+  float* tmp = w.tmp.data();
+  plane_channels<KB>(D, w.kidx.data());
+  plane_channels<VB>(D, w.vidx.data());
+  std::fill(w.qs.begin(), w.qs.end(), 0.f);
+  for (int64_t i = t0; i < t1; ++i) {
+    const int64_t blk = a.block_table[b * a.bt_sb + i];
+    const uint8_t* rec = a.cache + blk * a.cache_sb + h * a.cache_sh;
+    positives(rec + a.KS, D, log8, a.lut, w.ks.data());
+    offsets(rec + a.KO, D, log8, w.ks.data(), w.ko.data());
+    positives(rec + a.KF, T, log8, a.lut, w.kf.data());
+    for (int64_t g = 0; g < G; ++g) {
+      float cg = 0.f;
+      const float* q = qr + g * D;
+      for (int64_t d = 0; d < D; ++d) cg += q[d] * w.ko[d];
+      c[g] = cg;
+      for (int64_t x = 0; x < LK; ++x) { const int32_t d = w.kidx[x]; qs[g * LK + x] = q[d] * w.ks[d]; }
+    }
+    unpack_tile<KB>(rec + a.KC, T, D, rows);
+    for (int64_t g0 = 0; g0 < G; g0 += 4) key_scores(rows, qs, T, LK, g0, G, s, w.red.data());
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t t = 0; t < T; ++t) s[g * T + t] = w.kf[t] * (s[g * T + t] + c[g]);
+    if (i == 0 && sink_n > 0 && a.SINK_TOKENS > 0)  // attended from the exact copies instead
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t t = 0; t < std::min(sink_n, T); ++t) s[g * T + t] = -INFINITY;
+    if (!softmax_step(s, G, T, D, m, l, acc)) continue;
+    positives(rec + a.VS, T, log8, a.lut, w.vs.data());
+    offsets(rec + a.VO, T, log8, w.vs.data(), w.vo.data());
+    positives(rec + a.VF, D, log8, a.lut, w.vf.data());
+    for (int64_t g = 0; g < G; ++g) {
+      float cg = 0.f;
+      for (int64_t t = 0; t < T; ++t) { cg += s[g * T + t] * w.vo[t]; s[g * T + t] *= w.vs[t]; }
+      c[g] = cg;
+    }
+    unpack_tile<VB>(rec + a.VC, T, D, rows);
+    for (int64_t g0 = 0; g0 < G; g0 += 4) value_sums(rows, s, T, LV, g0, G, tmp);
+    float* nat = w.nat.data();
+    for (int64_t g = 0; g < G; ++g) {
+      std::fill(nat, nat + D, 0.f);
+      for (int64_t x = 0; x < LV; ++x) nat[w.vidx[x]] += tmp[g * LV + x];
+      #pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += w.vf[d] * (nat[d] + c[g]);
+    }
+  }
+}
+
+using TileFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, float*, float*,
+                        float*, Scratch&);
+
+template <int KB>
+TileFn pick_v(int64_t vb) {
+  switch (vb) {
+    case 2: return tiles_task<KB, 2>;
+    case 3: return tiles_task<KB, 3>;
+    case 4: return tiles_task<KB, 4>;
+    default: return tiles_task<KB, 8>;
+  }
+}
+
+TileFn pick(int64_t kb, int64_t vb) {
+  switch (kb) {
+    case 2: return pick_v<2>(vb);
+    case 3: return pick_v<3>(vb);
+    case 4: return pick_v<4>(vb);
+    default: return pick_v<8>(vb);
+  }
+}
+
+// exact rows (unrotated): n rows of a [rows, D] slab at element stride st
+void rows_task(const Args& a, const void* k, const void* v, int64_t st, int64_t n, const float* q, float* m,
+               float* l, float* acc, Scratch& w) {
+  const int64_t G = a.G, D = a.D;
+  if (n <= 0) return;
+  float* s = w.s.data(); float* row = w.rows.data();
+  for (int64_t t0 = 0; t0 < n; t0 += a.T) {  // in blocks of T rows (the scratch holds G x T scores)
+    const int64_t nb = std::min(a.T, n - t0);
+    for (int64_t t = 0; t < nb; ++t) {
+      for (int64_t d = 0; d < D; ++d) row[d] = load(k, (t0 + t) * st + d, a.DTYPE);
+      for (int64_t g = 0; g < G; ++g) {
+        float dot = 0.f;
+        #pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * row[d];
+        s[g * nb + t] = dot;
+      }
+    }
+    softmax_step(s, G, nb, D, m, l, acc);
+    for (int64_t t = 0; t < nb; ++t) {
+      for (int64_t d = 0; d < D; ++d) row[d] = load(v, (t0 + t) * st + d, a.DTYPE);
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = s[g * nb + t];
+        #pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * row[d];
+      }
+    }
+  }
+}
+
+// y = x @ M for x [D], M [D, D] row-major (D a multiple of 8); 64 outputs at a time in registers
+void vec_mat(const float* x, const float* M, int64_t D, float* y) {
+  for (int64_t e0 = 0; e0 < D; e0 += 64) {
+    const int64_t nk = std::min<int64_t>(8, (D - e0) / 8);
+    v8f acc[8];
+    for (int k = 0; k < 8; ++k) acc[k] = splat(0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      const v8f xd = splat(x[d]);
+      const float* row = M + d * D + e0;
+      for (int k = 0; k < nk; ++k) acc[k] += xd * loadv(row + 8 * k);
+    }
+    for (int k = 0; k < nk; ++k) storev(y + e0 + 8 * k, acc[k]);
+  }
+}
+
+int64_t sink_rows(const Args& a, int64_t b) {
+  if (a.SINK_CAP == 0) return 0;
+  int64_t cap = a.SINK_TOKENS > 0 ? std::min(a.SINK_CAP, a.SINK_TOKENS) : a.SINK_CAP;
+  int64_t n = std::min<int64_t>(std::max<int64_t>(a.sink_lens[b], 0), cap);
+  return (a.SINK_TOKENS > 0 && a.num_tiles[b] <= 0) ? 0 : n;
+}
+
+}  // namespace
+
+extern "C" int kvarn_decode(const Args* args) {
+  const Args& a = *args;
+  const int64_t B = a.B, H = a.H, G = a.G, D = a.D, S = a.SPLITS, P = S + 1, W = D + 2;
+  std::vector<float> part((size_t)(B * H * P * G * W));  // per (b, h, part, g): m, l, acc[D]
+  const TileFn tiles = pick(a.KB, a.VB);
+  #pragma omp parallel for schedule(dynamic, 1) num_threads((int)a.NTHREADS)
+  for (int64_t task = 0; task < B * H * P; ++task) {
+    thread_local Scratch w;
+    w.fit(G, a.T, D);
+    const int64_t b = task / (H * P), h = (task / P) % H, split = task % P;
+    float* base = part.data() + task * G * W;
+    std::vector<float> m(G, -INFINITY), l(G, 0.f), acc(G * D, 0.f), q(G * D), qr(G * D);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d)
+        q[g * D + d] = load(a.q, b * a.q_sb + (h * G + g) * a.q_sh + d, a.DTYPE) * (float)a.scale;
+    const int64_t sink_n = sink_rows(a, b);
+    if (split == S) {  // the exact rows: sink, then tail
+      if (sink_n > 0) {
+        const int64_t slot = a.sink_slot ? a.sink_slot[b] : b, off = slot * a.sink_ss + h * a.sink_sh;
+        const int64_t es = a.DTYPE == 0 ? 4 : 2;
+        rows_task(a, static_cast<const char*>(a.sink_k) + off * es, static_cast<const char*>(a.sink_v) + off * es,
+                  a.sink_st, sink_n, q.data(), m.data(), l.data(), acc.data(), w);
+      }
+      const int64_t slot = a.tail_slot ? a.tail_slot[b] : b, off = slot * a.tail_ss + h * a.tail_sh;
+      const int64_t es = a.DTYPE == 0 ? 4 : 2;
+      rows_task(a, static_cast<const char*>(a.tail_k) + off * es, static_cast<const char*>(a.tail_v) + off * es,
+                a.tail_st, a.tail_lens[b], q.data(), m.data(), l.data(), acc.data(), w);
+    } else {
+      const int64_t n = a.num_tiles[b], per = (n + S - 1) / S, t0 = split * per, t1 = std::min(n, t0 + per);
+      if (t0 < t1) {
+        if (a.rot) {
+          for (int64_t g = 0; g < G; ++g) vec_mat(q.data() + g * D, a.rot, D, qr.data() + g * D);
+        } else {
+          qr = q;
+        }
+        tiles(a, b, h, t0, t1, sink_n, qr.data(), m.data(), l.data(), acc.data(), w);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      base[g * W] = m[g]; base[g * W + 1] = l[g];
+      std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, base + g * W + 2);
+    }
+  }
+  #pragma omp parallel for schedule(static) num_threads((int)a.NTHREADS)
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const int64_t b = bh / H, h = bh % H;
+    std::vector<float> rot_acc(D), plain(D), unrot(D);
+    for (int64_t g = 0; g < G; ++g) {
+      float mx = -INFINITY;
+      for (int64_t p = 0; p < P; ++p) mx = std::max(mx, part[((bh * P + p) * G + g) * W]);
+      float denom = 0.f;
+      std::fill(rot_acc.begin(), rot_acc.end(), 0.f);
+      for (int64_t p = 0; p < P; ++p) {
+        const float* src = part.data() + ((bh * P + p) * G + g) * W;
+        if (src[0] == -INFINITY) continue;
+        const float wgt = std::exp(src[0] - mx);
+        denom += wgt * src[1];
+        float* dst = p == S ? plain.data() : rot_acc.data();
+        if (p == S) for (int64_t d = 0; d < D; ++d) dst[d] = wgt * src[2 + d];
+        else for (int64_t d = 0; d < D; ++d) dst[d] += wgt * src[2 + d];
+      }
+      if (part[((bh * P + S) * G + g) * W] == -INFINITY) std::fill(plain.begin(), plain.end(), 0.f);
+      const float inv = denom > 0.f ? 1.f / denom : 0.f;
+      if (a.rot) vec_mat(rot_acc.data(), a.rot_t, D, unrot.data());  // acc @ R^T
+      else unrot = rot_acc;
+      for (int64_t e = 0; e < D; ++e)
+        store(a.out, b * a.out_sb + (h * G + g) * a.out_sh + e, (unrot[e] + plain[e]) * inv, a.DTYPE);
+    }
+  }
+  return 0;
+}
+"""
