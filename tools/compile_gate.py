@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 # the gate compiles kernels: the interpreter (set by the test suite on CPU) must be off before triton loads
@@ -43,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full", action="store_true", help="the whole matrix (long: hours on 2 cores when cold)")
     p.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=[90, 80])
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one variant may compile")
     p.add_argument("--only", default="", help="keep variants whose name contains this text (e.g. 'decode')")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     args = p.parse_args(argv)
@@ -54,16 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = [v for v in variants if args.only in v.name]
     t0 = time.time()
     rows = []
-    if args.jobs > 1:
-        with ProcessPoolExecutor(args.jobs) as pool:
-            for got in pool.map(gate.compile_variant, variants):
-                rows += got
-                print(table(got).splitlines()[-1], flush=True)
-    else:
-        for v in variants:
-            got = gate.compile_variant(v)
-            rows += got
-            print(table(got).splitlines()[-1], flush=True)
+    for got in gate.compile_variants(variants, args.jobs, args.timeout):
+        rows += got
+        print("\n".join(table(got).splitlines()[2:]), flush=True)
     failed = [r for r in rows if r.problems]
     print()
     print(table(rows))

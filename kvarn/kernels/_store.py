@@ -10,8 +10,15 @@ follow the reference one for one (divisions stay divisions, no reciprocal, no fu
 the launcher compiles with ``enable_fp_fusion=False``) so codes match it bit for bit wherever the
 float32 reductions and ``exp``/``log`` round the same way.
 
+The tile is never held in registers whole (a ``[128, 128]`` float32 tile is 64 KiB: the first
+version spilled ~25 KB per thread on sm_90). The rotated tile goes once into the program's row of
+a float32 workspace; every pass then streams it in row chunks ``[ROWS, D]`` (reductions over
+tokens) or column chunks ``[T, COLS]`` (reductions over channels), and per-token or per-channel
+vectors that a chunk needs a slice of are kept in small workspace slots. The best iterate's codes
+are recomputed from its parameters at the end rather than carried through the loop.
+
 Specialized on ``tl.constexpr``: bits, side, tile size, head_dim, iterations, scale storage,
-rotation. Launchers live in :mod:`kvarn.kernels.ops`.
+rotation, chunk sizes. Launchers live in :mod:`kvarn.kernels.ops`.
 """
 
 from __future__ import annotations
@@ -89,21 +96,6 @@ def _mean(x, AXIS: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _floored_log_std(y, AXIS: tl.constexpr, N: tl.constexpr, M: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """log(std + floor) along AXIS (N elements); floor = 1e-3 * mean std over the M slices.
-
-    The variance is taken in float64 and rounded once, as torch's CPU ``std`` (a float64 Welford
-    reduction) does; this is what makes the iterates match the reference bit for bit.
-    """
-    y64 = y.to(tl.float64)
-    mean = tl.sum(y64, axis=AXIS, keep_dims=True) / N
-    dev = y64 - mean
-    std = tl.sqrt(tl.sum(dev * dev, axis=AXIS, keep_dims=True) / N).to(tl.float32)
-    mean_std = (tl.sum(tl.sum(std.to(tl.float64), axis=1), axis=0) / M).to(tl.float32)
-    return _log(std + (STD_FLOOR * mean_std + TINY), LIBDEVICE)
-
-
-@triton.jit
 def _write_plane(rec, codes, W: tl.constexpr, T: tl.constexpr, D: tl.constexpr):
     """Pack a W-bit plane of ``codes`` [T, D] int32 along D into T*D*W/8 bytes at ``rec``."""
     PER: tl.constexpr = 8 // W
@@ -129,6 +121,139 @@ def _write_params(rec, raw, idx, PB: tl.constexpr):
 
 
 @triton.jit
+def _codes(y, s, q, QMAX: tl.constexpr, LOG8: tl.constexpr):
+    """Codes of ``y = x / factor`` for scales ``s`` and zero points ``q`` (fp16 minimum, or log8 integer z)."""
+    safe = tl.where(s > 0, s, 1.0)
+    if LOG8:
+        codes = tl.where(s > 0, tl.floor(y / safe + 0.5) - q, 0.0)
+    else:
+        codes = tl.where(s > 0, tl.floor((y - q) / safe + 0.5), 0.0)
+    return tl.minimum(tl.maximum(codes, 0.0), QMAX)
+
+
+@triton.jit
+def _chunk(ws, i, BY_ROWS: tl.constexpr, T: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Chunk ``i`` of the rotated tile in the workspace: rows ``[ROWS, D]`` or columns ``[T, COLS]`` float32."""
+    if BY_ROWS:
+        x = tl.load(ws + (i * ROWS + tl.arange(0, ROWS))[:, None] * D + tl.arange(0, D)[None, :])
+    else:
+        x = tl.load(ws + tl.arange(0, T)[:, None] * D + (i * COLS + tl.arange(0, COLS))[None, :])
+    return x
+
+
+@triton.jit
+def _slice(slot, i, BY_ROWS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The part of a per-token ([ROWS, 1]) or per-channel ([1, COLS]) vector kept at ``slot`` for chunk ``i``."""
+    if BY_ROWS:
+        v = tl.load(slot + (i * ROWS + tl.arange(0, ROWS))[:, None])
+    else:
+        v = tl.load(slot + (i * COLS + tl.arange(0, COLS))[None, :])
+    return v
+
+
+@triton.jit
+def _put(slot, v, PER_TOKEN: tl.constexpr, T: tl.constexpr, D: tl.constexpr):
+    """Keep vector ``v`` ([T, 1] per token or [1, D] per channel) at ``slot`` for every thread to slice."""
+    tl.debug_barrier()  # nobody still reads the previous contents
+    if PER_TOKEN:
+        tl.store(slot + tl.arange(0, T)[:, None], v)
+    else:
+        tl.store(slot + tl.arange(0, D)[None, :], v)
+    tl.debug_barrier()  # visible to the whole program
+
+
+@triton.jit
+def _floored_log_std(
+    ws, slot, other, BY_ROWS: tl.constexpr, T: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+    COLS: tl.constexpr, LIBDEVICE: tl.constexpr,
+):  # fmt: skip
+    """One Sinkhorn half-step: log(std + floor) of ``y = x * exp(-log_r - log_c)``, streamed in chunks.
+
+    ``BY_ROWS``: per-channel std over tokens ``[1, D]`` (log_r read from ``slot``, log_c = ``other``);
+    else per-token std over channels ``[T, 1]`` (log_c from ``slot``, log_r = ``other``). Floor: 1e-3
+    times the mean std. Sums run in float64 and the std is rounded once, as torch's CPU ``std`` (a
+    float64 reduction) does; this is what makes the iterates match the reference bit for bit.
+    """
+    AXIS: tl.constexpr = 0 if BY_ROWS else 1
+    N: tl.constexpr = T if BY_ROWS else D
+    M: tl.constexpr = D if BY_ROWS else T
+    STEPS: tl.constexpr = T // ROWS if BY_ROWS else D // COLS
+    if BY_ROWS:  # noqa: SIM108  (constexpr branches)
+        acc = tl.zeros((1, D), tl.float64)
+    else:
+        acc = tl.zeros((T, 1), tl.float64)
+    for i in range(STEPS):
+        y = _chunk(ws, i, BY_ROWS, T, D, ROWS, COLS) * _exp(-_slice(slot, i, BY_ROWS, ROWS, COLS) - other, LIBDEVICE)
+        acc += tl.sum(y.to(tl.float64), axis=AXIS, keep_dims=True)
+    mean = acc / N
+    acc = acc * 0.0
+    for i in range(STEPS):
+        y = _chunk(ws, i, BY_ROWS, T, D, ROWS, COLS) * _exp(-_slice(slot, i, BY_ROWS, ROWS, COLS) - other, LIBDEVICE)
+        dev = y.to(tl.float64) - mean
+        acc += tl.sum(dev * dev, axis=AXIS, keep_dims=True)
+    std = tl.sqrt(acc / N).to(tl.float32)
+    mean_std = (tl.sum(tl.sum(std.to(tl.float64), axis=1), axis=0) / M).to(tl.float32)
+    return _log(std + (STD_FLOOR * mean_std + TINY), LIBDEVICE)
+
+
+@triton.jit
+def _lo_hi(
+    ws, f_slot, PER_CHANNEL: tl.constexpr, T: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr
+):
+    """Min and max of ``x / f`` along the quantization axis: per channel ``[1, D]`` or per token ``[T, 1]``."""
+    STEPS: tl.constexpr = T // ROWS if PER_CHANNEL else D // COLS
+    if PER_CHANNEL:  # noqa: SIM108  (constexpr branches)
+        lo = tl.full((1, D), float("inf"), tl.float32)
+    else:
+        lo = tl.full((T, 1), float("inf"), tl.float32)
+    hi = -lo
+    for i in range(STEPS):
+        y = _chunk(ws, i, PER_CHANNEL, T, D, ROWS, COLS) / _slice(f_slot, i, PER_CHANNEL, ROWS, COLS)
+        lo = tl.minimum(lo, tl.min(y, axis=1 - PER_CHANNEL, keep_dims=True))
+        hi = tl.maximum(hi, tl.max(y, axis=1 - PER_CHANNEL, keep_dims=True))
+    return lo, hi
+
+
+@triton.jit
+def _sq_err(
+    ws, f_slot, s, q, o, QMAX: tl.constexpr, PER_CHANNEL: tl.constexpr, LOG8: tl.constexpr, T: tl.constexpr,
+    D: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    """Squared error of the tile decoded with factors at ``f_slot`` and scales/zero points ``s, q, o``."""
+    acc = tl.zeros((1, 1), tl.float64)
+    steps: tl.constexpr = T // ROWS if PER_CHANNEL else D // COLS
+    for i in range(steps):
+        x = _chunk(ws, i, PER_CHANNEL, T, D, ROWS, COLS)
+        f = _slice(f_slot, i, PER_CHANNEL, ROWS, COLS)
+        diff = (_codes(x / f, s, q, QMAX, LOG8) * s + o) * f - x
+        acc += tl.sum(tl.sum((diff * diff).to(tl.float64), axis=1, keep_dims=True), axis=0, keep_dims=True)
+    return tl.sum(tl.sum(acc, axis=1), axis=0).to(tl.float32)
+
+
+@triton.jit
+def _rotate_into(
+    x, stride_xt, rot_ptr, ws, T: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, RC: tl.constexpr,
+    ROTATE: tl.constexpr,
+):  # fmt: skip
+    """Write ``x @ R`` ([T, D] float32) into the workspace by row chunks; returns max |x @ R|."""
+    amax = tl.zeros((1, 1), tl.float32)
+    d = tl.arange(0, D)
+    for i in range(T // ROWS):
+        r = i * ROWS + tl.arange(0, ROWS)[:, None]
+        xc = tl.load(x + r * stride_xt + d[None, :]).to(tl.float32)
+        if ROTATE:  # by blocks of RC output channels: a [D, RC] block of R at a time stays small
+            for j in tl.static_range(D // RC):
+                c = j * RC + tl.arange(0, RC)[None, :]
+                xr = tl.dot(xc, tl.load(rot_ptr + d[:, None] * D + c), input_precision="ieee")
+                tl.store(ws + r * D + c, xr)
+                amax = tl.maximum(amax, tl.max(tl.max(tl.abs(xr), axis=1, keep_dims=True), axis=0, keep_dims=True))
+        else:
+            tl.store(ws + r * D + d[None, :], xc)
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(xc), axis=1, keep_dims=True), axis=0, keep_dims=True))
+    return tl.sum(tl.sum(amax, axis=1), axis=0)
+
+
+@triton.jit
 def store_side_kernel(
     x_ptr,  # [N, H, T, D] fp16/bf16/fp32, last axis contiguous
     stride_xn,
@@ -140,6 +265,7 @@ def store_side_kernel(
     stride_cb,
     stride_ch,
     block_ptr,  # [N] int32/int64: destination block of tile n
+    work_ptr,  # [N * H, T * D + 3 * T + 2 * D] float32 workspace, one row per program
     H,
     CODE_OFF: tl.constexpr,  # byte offsets of this side's sections inside a record
     SCALE_OFF: tl.constexpr,
@@ -152,41 +278,46 @@ def store_side_kernel(
     ITERS: tl.constexpr,
     LOG8: tl.constexpr,
     ROTATE: tl.constexpr,
-    LIBDEVICE: tl.constexpr,  # float64 exp/log from libdevice (CUDA); tl.math under the interpreter
+    LIBDEVICE: tl.constexpr,  # float64 exp/log from libdevice (compiled); tl.math under the interpreter
+    ROWS: tl.constexpr,  # tokens per row chunk
+    COLS: tl.constexpr,  # channels per column chunk
+    RR: tl.constexpr,  # tokens per block of the rotation (>= 16: a tl.dot operand)
+    RC: tl.constexpr,  # output channels per block of the rotation
 ):
     pid = tl.program_id(0)
     n = pid // H
     h = pid % H
-    t = tl.arange(0, T)[:, None]
-    d = tl.arange(0, D)[None, :]
-    x = tl.load(x_ptr + n.to(tl.int64) * stride_xn + h * stride_xh + t * stride_xt + d).to(tl.float32)
-    if ROTATE:
-        r = tl.load(rot_ptr + tl.arange(0, D)[:, None] * D + d)
-        x = tl.dot(x, r, input_precision="ieee")
+    ws = work_ptr + pid.to(tl.int64) * (T * D + 3 * T + 2 * D)  # the rotated tile [T, D], then vector slots
+    slot_r = ws + T * D  # three per-token slots of T floats
+    slot_c = slot_r + 3 * T  # two per-channel slots of D floats
+    x_in = x_ptr + n.to(tl.int64) * stride_xn + h * stride_xh
+    base = tl.sqrt_rn(tl.maximum(_rotate_into(x_in, stride_xt, rot_ptr, ws, T, D, RR, RC, ROTATE), MIN_MAGNITUDE))
+    tl.debug_barrier()  # the rotated tile is complete before any thread reads another's part
     QMAX: tl.constexpr = (1 << BITS) - 1
-    QAXIS: tl.constexpr = 0 if PER_CHANNEL else 1
     PB: tl.constexpr = 1 if LOG8 else 2
-    base = tl.sqrt_rn(tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), MIN_MAGNITUDE))
+    # per channel (keys) the scales are [1, D] and the factor [T, 1]; per token (values) the reverse
+    f_slot = slot_r + T if PER_CHANNEL else slot_c + D
 
     log_r = tl.zeros((T, 1), dtype=tl.float32)
     log_c = tl.zeros((1, D), dtype=tl.float32)
-    best_codes = tl.zeros((T, D), dtype=tl.int32)
     if PER_CHANNEL:
-        best_s = tl.zeros((1, D), dtype=tl.int32)
-        best_o = tl.zeros((1, D), dtype=tl.int32)
-        best_f = tl.zeros((T, 1), dtype=tl.int32)
+        best_s = tl.zeros((1, D), dtype=tl.float32)
+        best_f = tl.zeros((T, 1), dtype=tl.float32)
     else:
-        best_s = tl.zeros((T, 1), dtype=tl.int32)
-        best_o = tl.zeros((T, 1), dtype=tl.int32)
-        best_f = tl.zeros((1, D), dtype=tl.int32)
+        best_s = tl.zeros((T, 1), dtype=tl.float32)
+        best_f = tl.zeros((1, D), dtype=tl.float32)
+    best_q = best_s
+    best_s_raw = best_s.to(tl.int32)
+    best_o_raw = best_s_raw
+    best_f_raw = best_f.to(tl.int32)
     best_err = tl.full((), float("inf"), tl.float32)
     for it in range(ITERS + 1):
         if it > 0:  # one column step and one row step, factors centred (geometric mean 1)
-            y = x * _exp(-log_r - log_c, LIBDEVICE)
-            log_c = log_c + _floored_log_std(y, 0, T, D, LIBDEVICE)
+            _put(slot_r, log_r, True, T, D)
+            log_c = log_c + _floored_log_std(ws, slot_r, log_c, True, T, D, ROWS, COLS, LIBDEVICE)
             log_c = log_c - _mean(log_c, 1, D)
-            y = x * _exp(-log_r - log_c, LIBDEVICE)
-            log_r = log_r + _floored_log_std(y, 1, D, T, LIBDEVICE)
+            _put(slot_c, log_c, False, T, D)
+            log_r = log_r + _floored_log_std(ws, slot_c, log_r, False, T, D, ROWS, COLS, LIBDEVICE)
             log_r = log_r - _mean(log_r, 0, T)
         if PER_CHANNEL:  # noqa: SIM108  (constexpr branches)
             fv = _exp(log_r, LIBDEVICE) * base
@@ -197,18 +328,16 @@ def store_side_kernel(
         else:
             f_raw, f = _fp16_store(fv, False)
         f = tl.maximum(f, 1e-30)
-        y = x / f
-        lo = tl.min(y, axis=QAXIS, keep_dims=True)
-        hi = tl.max(y, axis=QAXIS, keep_dims=True)
+        _put(f_slot, f, PER_CHANNEL, T, D)
+        lo, hi = _lo_hi(ws, f_slot, PER_CHANNEL, T, D, ROWS, COLS)
         if LOG8:
             need = tl.maximum((hi - lo) / QMAX, tl.abs(lo) / 127.0)
             s_raw, s = _log8_store(need, lut_ptr, True, LIBDEVICE)
             safe = tl.where(s > 0, s, 1.0)
-            z = tl.minimum(tl.maximum(tl.floor(lo / safe + 0.5), -128.0), 127.0)
-            z = tl.where(s > 0, z, 0.0)
-            codes = tl.where(s > 0, tl.floor(y / safe + 0.5) - z, 0.0)
-            o = z * s
-            o_raw = z.to(tl.int32) & 0xFF
+            q = tl.minimum(tl.maximum(tl.floor(lo / safe + 0.5), -128.0), 127.0)
+            q = tl.where(s > 0, q, 0.0)  # the integer zero point z
+            o = q * s
+            o_raw = q.to(tl.int32) & 0xFF
         else:
             lo_h = tl.minimum(tl.maximum(lo, -FP16_MAX), FP16_MAX).to(tl.float16)
             o_bits = lo_h.to(tl.int16, bitcast=True).to(tl.int32)
@@ -219,30 +348,45 @@ def store_side_kernel(
             o = o_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             o_raw = o_bits & 0xFFFF
             s_raw, s = _fp16_store((hi - o) / QMAX, True)
-            safe = tl.where(s > 0, s, 1.0)
-            codes = tl.where(s > 0, tl.floor((y - o) / safe + 0.5), 0.0)
-        codes = tl.minimum(tl.maximum(codes, 0.0), QMAX)
-        diff = (codes * s + o) * f - x
-        err = tl.sum(tl.sum((diff * diff).to(tl.float64), axis=1), axis=0).to(tl.float32)
+            q = o
+        err = _sq_err(ws, f_slot, s, q, o, QMAX, PER_CHANNEL, LOG8, T, D, ROWS, COLS)
         better = (err < best_err) | (it == 0)
-        best_codes = tl.where(better, codes.to(tl.int32), best_codes)
-        best_s = tl.where(better, s_raw, best_s)
-        best_o = tl.where(better, o_raw, best_o)
-        best_f = tl.where(better, f_raw, best_f)
+        best_s = tl.where(better, s, best_s)
+        best_q = tl.where(better, q, best_q)
+        best_f = tl.where(better, f, best_f)
+        best_s_raw = tl.where(better, s_raw, best_s_raw)
+        best_o_raw = tl.where(better, o_raw, best_o_raw)
+        best_f_raw = tl.where(better, f_raw, best_f_raw)
         best_err = tl.where(better, err, best_err)
 
+    # the codes of the best iterate, recomputed from its parameters (same operations, same codes)
+    if PER_CHANNEL:
+        _put(slot_r + 2 * T, best_f, True, T, D)
+    else:
+        _put(slot_r + T, best_s, True, T, D)
+        _put(slot_r + 2 * T, best_q, True, T, D)
     blk = tl.load(block_ptr + n).to(tl.int64)
     rec = cache_ptr + blk * stride_cb + h.to(tl.int64) * stride_ch
-    if BITS == 3:  # planes [2, 1]: low two bits, then the high bit
-        _write_plane(rec + CODE_OFF, best_codes & 3, 2, T, D)
-        _write_plane(rec + CODE_OFF + T * D // 4, (best_codes >> 2) & 1, 1, T, D)
-    else:
-        _write_plane(rec + CODE_OFF, best_codes, BITS, T, D)
+    for i in range(T // ROWS):
+        x = _chunk(ws, i, True, T, D, ROWS, COLS)
+        if PER_CHANNEL:
+            codes = _codes(x / _slice(slot_r + 2 * T, i, True, ROWS, COLS), best_s, best_q, QMAX, LOG8)
+        else:
+            s_i = _slice(slot_r + T, i, True, ROWS, COLS)
+            codes = _codes(x / best_f, s_i, _slice(slot_r + 2 * T, i, True, ROWS, COLS), QMAX, LOG8)
+        codes = codes.to(tl.int32)
+        if BITS == 3:  # planes [2, 1]: low two bits, then the high bit
+            _write_plane(rec + CODE_OFF + i * ROWS * D // 4, codes & 3, 2, ROWS, D)
+            _write_plane(rec + CODE_OFF + T * D // 4 + i * ROWS * D // 8, (codes >> 2) & 1, 1, ROWS, D)
+        else:
+            _write_plane(rec + CODE_OFF + i * ROWS * D * BITS // 8, codes, BITS, ROWS, D)
+    t = tl.arange(0, T)[:, None]
+    d = tl.arange(0, D)[None, :]
     if PER_CHANNEL:
-        _write_params(rec + SCALE_OFF, best_s, d, PB)
-        _write_params(rec + OFFSET_OFF, best_o, d, PB)
-        _write_params(rec + FACTOR_OFF, best_f, t, PB)
+        _write_params(rec + SCALE_OFF, best_s_raw, d, PB)
+        _write_params(rec + OFFSET_OFF, best_o_raw, d, PB)
+        _write_params(rec + FACTOR_OFF, best_f_raw, t, PB)
     else:
-        _write_params(rec + SCALE_OFF, best_s, t, PB)
-        _write_params(rec + OFFSET_OFF, best_o, t, PB)
-        _write_params(rec + FACTOR_OFF, best_f, d, PB)
+        _write_params(rec + SCALE_OFF, best_s_raw, t, PB)
+        _write_params(rec + OFFSET_OFF, best_o_raw, t, PB)
+        _write_params(rec + FACTOR_OFF, best_f_raw, d, PB)

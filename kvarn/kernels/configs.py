@@ -28,10 +28,16 @@ class KernelConfig:
 
 
 def store_configs(scheme: Scheme, head_dim: int) -> list[KernelConfig]:
-    """Store kernel: one program holds a whole ``[group_size, head_dim]`` float32 tile."""
-    elems = scheme.group_size * head_dim
-    warps = 4 if elems <= 64 * 64 else 8 if elems <= 128 * 128 else 16
-    return [KernelConfig(warps, 1), KernelConfig(max(4, warps // 2), 1), KernelConfig(min(16, warps * 2), 1)]
+    """Store kernel: one program per tile, streaming it in chunks of ~4096 elements.
+
+    ``block_m`` is the tokens per row chunk and ``block_n`` the channels per column chunk (the
+    kernel reduces over tokens by row chunks and over channels by column chunks); at least 16 each,
+    the smallest ``tl.dot`` operand. Compile gate (sm_90, ``tools/compile_gate.py``): see
+    docs/benchmarks.md for the registers and shared memory of these choices.
+    """
+    t, d = scheme.group_size, head_dim
+    rows, cols = min(t, max(16, 4096 // d)), min(d, max(16, 4096 // t))
+    return [KernelConfig(8, 1, rows, cols), KernelConfig(4, 1, rows, cols), KernelConfig(8, 1, max(16, rows // 2), cols)]
 
 
 def decode_configs(scheme: Scheme, head_dim: int, group_q: int) -> list[KernelConfig]:

@@ -20,12 +20,17 @@ GPU machines lent to this project) is checked by running that CLI with that Trit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import multiprocessing
+import os
 import re
+import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -298,10 +303,15 @@ class _Recorder:
         JITFunction.run = self._orig
 
 
-def _first_lines(e: BaseException, n: int = 6) -> str:
-    text = f"{type(e).__name__}: {e}".strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    return " | ".join(lines[:n] + (lines[-2:] if len(lines) > n + 2 else []))
+def _first_lines(e: BaseException) -> str:
+    """A one-line account of a compile failure: where (Triton's "at L:C") and the innermost cause."""
+    where = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    cause: BaseException = e
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    what = getattr(cause, "error_message", None) or str(cause).strip().splitlines()[-1:] or [""]
+    what = what if isinstance(what, str) else what[0]
+    return f"{type(e).__name__} {where} {what}".strip()[:600]
 
 
 def compile_variant(v: Variant, cache_dir: Path | None = None) -> list[Row]:
@@ -349,7 +359,46 @@ def compile_call(
     return rows
 
 
-def compile_variants(variants: list[Variant], cache_dir: Path | None = None) -> Iterator[Row]:
-    """Compile ``variants`` in order, yielding rows as they come (see :func:`compile_variant`)."""
-    for v in variants:
-        yield from compile_variant(v, cache_dir)
+def compile_variants(variants: list[Variant], jobs: int = 1, timeout: float = 600.0) -> Iterator[list[Row]]:
+    """Compile ``variants``, each in its own forked process (at most ``jobs`` at a time), in order.
+
+    A variant still compiling after ``timeout`` seconds is killed with everything it started
+    (ptxas included) and reported as a failure: a kernel ptxas needs minutes for is not shippable.
+    """
+    ctx = multiprocessing.get_context("fork")  # the children inherit the imported modules
+    running: list[tuple[Variant, Any, Any, float]] = []
+    pending = list(variants)
+    done: dict[Variant, list[Row]] = {}
+    order = list(variants)
+    while pending or running:
+        while pending and len(running) < jobs:
+            v = pending.pop(0)
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child, args=(v, send), daemon=True)
+            proc.start()
+            send.close()
+            running.append((v, proc, recv, time.monotonic()))
+        for item in list(running):
+            v, proc, recv, t0 = item
+            if recv.poll(0.2):
+                try:
+                    done[v] = [Row(**r) for r in recv.recv()]
+                except EOFError:  # the child died without an answer
+                    done[v] = [Row(v.arch, v.name, v.op, error=f"compiler process died (exit {proc.exitcode})")]
+            elif time.monotonic() - t0 > timeout:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                done[v] = [Row(v.arch, v.name, v.op, error=f"still compiling after {timeout:.0f} s (killed)")]
+            else:
+                continue
+            proc.join(5)
+            running.remove(item)
+        while order and order[0] in done:
+            yield done.pop(order.pop(0))
+
+
+def _child(v: Variant, send: Any) -> None:
+    os.setsid()  # own process group: a timeout kills ptxas too
+    rows = compile_variant(v)
+    send.send([{f.name: getattr(r, f.name) for f in dataclasses.fields(r)} for r in rows])
+    send.close()

@@ -116,6 +116,13 @@ def store_tiles(
     rot = rotation(scheme.rotation, d, dev)
     lut = log8_table(dev)
     block_ids = block_ids.contiguous()
+    # each program streams its rotated tile and a few vectors through its own workspace row (L1/L2
+    # resident) instead of holding [T, D] float32 in registers; both sides reuse it (same stream)
+    work = torch.empty(n * h, t * d + 3 * t + 2 * d, dtype=torch.float32, device=dev)
+    rows, cols = cfg.block_m, cfg.block_n
+    compiled = isinstance(store_side_kernel, triton.runtime.JITFunction)  # False under TRITON_INTERPRET=1
+    if t % rows or d % cols:
+        raise KernelArgumentError(f"store config block_m={rows}, block_n={cols} must divide tile {t} x {d}")
     sides = (
         (keys, lay.key_codes, lay.key_scale, lay.key_offset, lay.key_factor, scheme.key_bits, True),
         (values, lay.value_codes, lay.value_scale, lay.value_offset, lay.value_factor, scheme.value_bits, False),
@@ -132,6 +139,7 @@ def store_tiles(
             cache.stride(0),
             cache.stride(1),
             block_ids,
+            work,
             h,
             CODE_OFF=code_off,
             SCALE_OFF=s_off,
@@ -144,7 +152,13 @@ def store_tiles(
             ITERS=scheme.norm_iters,
             LOG8=scheme.scale_dtype == "log8",
             ROTATE=scheme.rotation != "none",
-            LIBDEVICE=isinstance(store_side_kernel, triton.runtime.JITFunction),  # False: interpreted
+            LIBDEVICE=compiled,
+            ROWS=rows,
+            COLS=cols,
+            # rotation in [16, 32] blocks when compiled (registers); whole under the interpreter, whose
+            # numpy matmul then rounds exactly like the reference's x @ R (a blocked one does not)
+            RR=min(t, 16) if compiled else t,
+            RC=min(d, 32) if compiled else d,
             enable_fp_fusion=False,  # the reference rounds every multiply and add separately
             **cfg.launch_kwargs(),
         )

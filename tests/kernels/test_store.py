@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvarn.codec import decode_records, quantize_tiles
-from kvarn.kernels import KernelArgumentError, quantize_tiles_triton, store_tiles
+from kvarn.kernels import KernelArgumentError, KernelConfig, quantize_tiles_triton, store_tiles
 from kvarn.schemes import BUILTINS, Scheme
 
 from ._reference import DEVICE, kv_tiles
@@ -48,6 +48,17 @@ def test_store_matches_reference_other_options(name: str, d: int, dtype: torch.d
     k, v = k.to(dtype), v.to(dtype)
     out = quantize_tiles_triton(k.to(DEVICE), v.to(DEVICE), scheme)
     _assert_records_equal(out, quantize_tiles(k, v, scheme), scheme, d)
+
+
+@pytest.mark.parametrize(("name", "d"), [("kvarn_k4v2_g64", 128), ("kvarn_k3v8_g32_it3_s8", 64)])
+def test_store_in_chunks_matches_reference(name: str, d: int) -> None:
+    """Several row and column chunks per tile (the GPU configs' streaming), still byte for byte."""
+    scheme = Scheme.from_name(name)
+    k, v = kv_tiles(2, scheme.group_size, d, seed=9)
+    cache = torch.zeros(2, 1, scheme.tile_bytes(d), dtype=torch.uint8, device=DEVICE)
+    ids = torch.arange(2, dtype=torch.int32, device=DEVICE)
+    store_tiles(k[:, None].to(DEVICE), v[:, None].to(DEVICE), cache, ids, scheme, config=KernelConfig(4, 1, 16, 16))
+    _assert_records_equal(cache[:, 0], quantize_tiles(k, v, scheme), scheme, d)
 
 
 def test_store_into_paged_cache_strided_input_touches_only_its_blocks() -> None:
