@@ -160,15 +160,15 @@ inline v8i widen8(const uint8_t* p) {
 #endif
 }
 
-// one W-bit plane of rows 0..T-1 into plane order: out[t * L + j * n + c] (L floats per row)
+// rows r0..r0+R-1 of one W-bit plane, in plane order: out[r * L + j * n + c] (L floats per row)
 template <int W>
-inline void plane_rows(const uint8_t* plane, int64_t T, int64_t D, int shift, int64_t L, float* out) {
+inline void plane_rows(const uint8_t* plane, int64_t D, int64_t r0, int64_t R, int shift, int64_t L, float* out) {
   constexpr int P = 8 / W;
   constexpr int MASK = (1 << W) - 1;
   const int64_t n = D / P;  // bytes per row, a multiple of 8 for every head_dim >= 64
-  for (int64_t t = 0; t < T; ++t) {
-    const uint8_t* row = plane + t * n;
-    float* o = out + t * L;
+  for (int64_t r = 0; r < R; ++r) {
+    const uint8_t* row = plane + (r0 + r) * n;
+    float* o = out + r * L;
     for (int64_t c = 0; c < n; c += 8) {
       const v8i x = widen8(row + c);
       for (int j = 0; j < P; ++j) storev(o + j * n + c, __builtin_convertvector(((x >> (j * W)) & MASK) << shift, v8f));
@@ -176,17 +176,19 @@ inline void plane_rows(const uint8_t* plane, int64_t T, int64_t D, int shift, in
   }
 }
 
-// all rows of a code section: [T, L] floats, L = planes * D
+constexpr int64_t ROWS = 32;  // rows unpacked at a time: 32 x 2 x 256 floats at most, in L1/L2
+
+// rows r0..r0+R-1 of a [T, D] code section: [R, L] floats, L = planes * D
 template <int BITS>
-inline void unpack_tile(const uint8_t* sec, int64_t T, int64_t D, float* out) {
+inline void unpack_rows(const uint8_t* sec, int64_t T, int64_t D, int64_t r0, int64_t R, float* out) {
   const int64_t L = Planes<BITS>::N * D;
   const uint8_t* plane = sec;
   for (int k = 0; k < Planes<BITS>::N; ++k) {
     const int w = Planes<BITS>::W[k], shift = Planes<BITS>::SHIFT[k];
-    if (w == 8) plane_rows<8>(plane, T, D, shift, L, out + k * D);
-    else if (w == 4) plane_rows<4>(plane, T, D, shift, L, out + k * D);
-    else if (w == 2) plane_rows<2>(plane, T, D, shift, L, out + k * D);
-    else plane_rows<1>(plane, T, D, shift, L, out + k * D);
+    if (w == 8) plane_rows<8>(plane, D, r0, R, shift, L, out + k * D);
+    else if (w == 4) plane_rows<4>(plane, D, r0, R, shift, L, out + k * D);
+    else if (w == 2) plane_rows<2>(plane, D, r0, R, shift, L, out + k * D);
+    else plane_rows<1>(plane, D, r0, R, shift, L, out + k * D);
     plane += T * D * w / 8;
   }
 }
@@ -222,64 +224,76 @@ struct Scratch {
   void fit(int64_t G, int64_t T, int64_t D) {
     const int64_t L = 2 * D;  // at most two planes
     const int64_t G4 = (G + 3) / 4 * 4;  // query heads in groups of four
-    rows.resize(T * L); qs.resize(G4 * L); c.resize(G); s.resize(G * T); tmp.resize(G4 * L); nat.resize(D);
+    rows.resize(std::max<int64_t>(ROWS * L, D)); qs.resize(G4 * L); c.resize(G); s.resize(G * T); tmp.resize(G4 * L); nat.resize(D);
     ks.resize(D); ko.resize(D); kf.resize(T); vs.resize(T); vo.resize(T); vf.resize(D);
     red.resize(4 * 8); kidx.resize(L); vidx.resize(L);
   }
 };
 
-// exp for x <= 0 (Cephes' expf polynomial, relative error ~2e-7), written so that loops of it vectorize
-inline float exp_neg(float x) {
-  const float n = __builtin_floorf(x * 1.44269504f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+// exp of 8 lanes x <= 0 (Cephes' expf polynomial, relative error ~2e-7); lanes below -87 give 0
+inline v8f exp_neg8(v8f x) {
+  const v8i dead = x < splat(-87.f);
+  x = dead ? splat(-87.f) : x;
+  const v8f n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest
+  const v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v8f p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.f;
-  const int32_t bits = ((int32_t)std::max(n, -126.f) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return x < -87.f ? 0.f : y * scale;
+  const v8f y = p * r * r + r + 1.f;
+  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  return dead ? splat(0.f) : y * (v8f)bits;
 }
 
-// online softmax over one block of scores s[G][n]: rescales acc/l, turns s into probabilities
-inline bool softmax_step(float* s, int64_t G, int64_t n, int64_t D, float* m, float* l, float* acc) {
+inline float hmax8(v8f v) {
+  float x = v[0];
+  for (int i = 1; i < 8; ++i) x = std::max(x, v[i]);
+  return x;
+}
+
+inline float hadd8(v8f v) {
+  float x = 0.f;
+  for (int i = 0; i < 8; ++i) x += v[i];
+  return x;
+}
+
+// online softmax over scores s[g * ld + t], t < n (a multiple of 8): rescales acc and l, turns s into
+// probabilities; returns false when every score so far is -inf (nothing to accumulate)
+inline bool softmax_step(float* s, int64_t G, int64_t n, int64_t ld, int64_t D, float* m, float* l, float* acc) {
   bool any = false;
   for (int64_t g = 0; g < G; ++g) {
-    float* sg = s + g * n;
-    float mt = -INFINITY;
-    #pragma omp simd reduction(max : mt)
-    for (int64_t t = 0; t < n; ++t) mt = std::max(mt, sg[t]);
-    const float mn = std::max(m[g], mt);
-    if (mn == -INFINITY) {  // nothing attended yet
+    float* sg = s + g * ld;
+    v8f mv = splat(-INFINITY);
+    for (int64_t t = 0; t < n; t += 8) { const v8f x = loadv(sg + t); mv = x > mv ? x : mv; }
+    const float mn = std::max(m[g], hmax8(mv));
+    if (mn == -INFINITY) {
       std::fill(sg, sg + n, 0.f);
       continue;
     }
     any = true;
-    const float alpha = m[g] == -INFINITY ? 0.f : exp_neg(m[g] - mn);
-    float sum = 0.f;
-    #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      const float p = exp_neg(sg[t] - mn);  // -inf - mn = -inf -> 0
-      sg[t] = p;
+    const float alpha = m[g] == -INFINITY ? 0.f : std::exp(m[g] - mn);
+    v8f sum = splat(0.f);
+    for (int64_t t = 0; t < n; t += 8) {
+      const v8f p = exp_neg8(loadv(sg + t) - mn);
+      storev(sg + t, p);
       sum += p;
     }
-    l[g] = l[g] * alpha + sum;
+    l[g] = l[g] * alpha + hadd8(sum);
     if (alpha != 1.f)
-      for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= alpha;
+      for (int64_t d = 0; d < D; d += 8) storev(acc + g * D + d, loadv(acc + g * D + d) * alpha);
     m[g] = mn;
   }
   return any;
 }
 
-// scores of rows 0..T-1 for query heads g0..g0+3 (qs rows beyond G are zeros): s[g][t]
-inline void key_scores(const float* rows, const float* qs, int64_t T, int64_t L, int64_t g0, int64_t G, float* s,
-                       v8f* red) {
+// scores of rows 0..R-1 (R a multiple of 8) for query heads g0..g0+3 (qs rows beyond G are zeros):
+// s[g * ld + t]
+inline void key_scores(const float* rows, const float* qs, int64_t R, int64_t L, int64_t g0, int64_t G, float* s,
+                       int64_t ld, v8f* red) {
   const float* q0 = qs + g0 * L;
-  for (int64_t t8 = 0; t8 < T; t8 += 8) {
+  for (int64_t t8 = 0; t8 < R; t8 += 8) {
     for (int r = 0; r < 8; ++r) {
       const float* row = rows + (t8 + r) * L;
       v8f a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0;
@@ -290,24 +304,25 @@ inline void key_scores(const float* rows, const float* qs, int64_t T, int64_t L,
       }
       red[r] = a0; red[8 + r] = a1; red[16 + r] = a2; red[24 + r] = a3;
     }
-    for (int k = 0; k < 4 && g0 + k < G; ++k) storev(s + (g0 + k) * T + t8, hsum8(red + 8 * k));
+    for (int k = 0; k < 4 && g0 + k < G; ++k) storev(s + (g0 + k) * ld + t8, hsum8(red + 8 * k));
   }
 }
 
-// tmp[g][x] = sum_t p[g][t] * rows[t][x] for query heads g0..g0+3, 64 columns at a time in registers
-inline void value_sums(const float* rows, const float* p, int64_t T, int64_t L, int64_t g0, int64_t G, float* tmp) {
-  for (int64_t g = g0; g < std::min(g0 + 4, G); ++g) {
-    const float* pg = p + g * T;
+// tmp[g][x] += sum_t p[g * ld + t] * rows[t][x], t < R, for every query head; 64 columns at a time in registers
+inline void value_sums(const float* rows, const float* p, int64_t R, int64_t L, int64_t G, int64_t ld, float* tmp) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* pg = p + g * ld;
     for (int64_t x0 = 0; x0 < L; x0 += 64) {
-      v8f acc[8];
-      for (int k = 0; k < 8; ++k) acc[k] = splat(0.f);
       const int64_t nk = std::min<int64_t>(8, (L - x0) / 8);
-      for (int64_t t = 0; t < T; ++t) {
+      float* out = tmp + g * L + x0;
+      v8f acc[8];
+      for (int k = 0; k < nk; ++k) acc[k] = loadv(out + 8 * k);
+      for (int64_t t = 0; t < R; ++t) {
         const v8f w = splat(pg[t]);
         const float* row = rows + t * L + x0;
         for (int k = 0; k < nk; ++k) acc[k] += w * loadv(row + 8 * k);
       }
-      for (int k = 0; k < nk; ++k) storev(tmp + g * L + x0 + 8 * k, acc[k]);
+      for (int k = 0; k < nk; ++k) storev(out + 8 * k, acc[k]);
     }
   }
 }
@@ -323,9 +338,18 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
   plane_channels<KB>(D, w.kidx.data());
   plane_channels<VB>(D, w.vidx.data());
   std::fill(w.qs.begin(), w.qs.end(), 0.f);
+  const int64_t record_bytes = a.VF + (log8 ? 1 : 2) * D;
+  if (t0 < t1) {
+    const uint8_t* first = a.cache + a.block_table[b * a.bt_sb + t0] * a.cache_sb + h * a.cache_sh;
+    for (int64_t off = 0; off < record_bytes; off += 64) __builtin_prefetch(first + off);
+  }
   for (int64_t i = t0; i < t1; ++i) {
     const int64_t blk = a.block_table[b * a.bt_sb + i];
     const uint8_t* rec = a.cache + blk * a.cache_sb + h * a.cache_sh;
+    if (i + 1 < t1) {  // records are scattered: fetch the next one while this one is computed
+      const uint8_t* next = a.cache + a.block_table[b * a.bt_sb + i + 1] * a.cache_sb + h * a.cache_sh;
+      for (int64_t off = 0; off < record_bytes; off += 64) __builtin_prefetch(next + off);
+    }
     positives(rec + a.KS, D, log8, a.lut, w.ks.data());
     offsets(rec + a.KO, D, log8, w.ks.data(), w.ko.data());
     positives(rec + a.KF, T, log8, a.lut, w.kf.data());
@@ -336,14 +360,16 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
       c[g] = cg;
       for (int64_t x = 0; x < LK; ++x) { const int32_t d = w.kidx[x]; qs[g * LK + x] = q[d] * w.ks[d]; }
     }
-    unpack_tile<KB>(rec + a.KC, T, D, rows);
-    for (int64_t g0 = 0; g0 < G; g0 += 4) key_scores(rows, qs, T, LK, g0, G, s, w.red.data());
+    for (int64_t r0 = 0; r0 < T; r0 += ROWS) {  // blocks of rows stay in L1 as floats
+      unpack_rows<KB>(rec + a.KC, T, D, r0, ROWS, rows);
+      for (int64_t g0 = 0; g0 < G; g0 += 4) key_scores(rows, qs, ROWS, LK, g0, G, s + r0, T, w.red.data());
+    }
     for (int64_t g = 0; g < G; ++g)
       for (int64_t t = 0; t < T; ++t) s[g * T + t] = w.kf[t] * (s[g * T + t] + c[g]);
     if (i == 0 && sink_n > 0 && a.SINK_TOKENS > 0)  // attended from the exact copies instead
       for (int64_t g = 0; g < G; ++g)
         for (int64_t t = 0; t < std::min(sink_n, T); ++t) s[g * T + t] = -INFINITY;
-    if (!softmax_step(s, G, T, D, m, l, acc)) continue;
+    if (!softmax_step(s, G, T, T, D, m, l, acc)) continue;
     positives(rec + a.VS, T, log8, a.lut, w.vs.data());
     offsets(rec + a.VO, T, log8, w.vs.data(), w.vo.data());
     positives(rec + a.VF, D, log8, a.lut, w.vf.data());
@@ -352,8 +378,11 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
       for (int64_t t = 0; t < T; ++t) { cg += s[g * T + t] * w.vo[t]; s[g * T + t] *= w.vs[t]; }
       c[g] = cg;
     }
-    unpack_tile<VB>(rec + a.VC, T, D, rows);
-    for (int64_t g0 = 0; g0 < G; g0 += 4) value_sums(rows, s, T, LV, g0, G, tmp);
+    std::fill(tmp, tmp + G * LV, 0.f);
+    for (int64_t r0 = 0; r0 < T; r0 += ROWS) {
+      unpack_rows<VB>(rec + a.VC, T, D, r0, ROWS, rows);
+      value_sums(rows, s + r0, ROWS, LV, G, T, tmp);
+    }
     float* nat = w.nat.data();
     for (int64_t g = 0; g < G; ++g) {
       std::fill(nat, nat + D, 0.f);
@@ -387,28 +416,27 @@ TileFn pick(int64_t kb, int64_t vb) {
 }
 
 // exact rows (unrotated): n rows of a [rows, D] slab at element stride st
+// exact rows (unrotated): n rows of a [rows, D] slab at element stride st, in blocks of T
 void rows_task(const Args& a, const void* k, const void* v, int64_t st, int64_t n, const float* q, float* m,
                float* l, float* acc, Scratch& w) {
-  const int64_t G = a.G, D = a.D;
-  if (n <= 0) return;
+  const int64_t G = a.G, D = a.D, T = a.T;
   float* s = w.s.data(); float* row = w.rows.data();
-  for (int64_t t0 = 0; t0 < n; t0 += a.T) {  // in blocks of T rows (the scratch holds G x T scores)
-    const int64_t nb = std::min(a.T, n - t0);
-    for (int64_t t = 0; t < nb; ++t) {
-      for (int64_t d = 0; d < D; ++d) row[d] = load(k, (t0 + t) * st + d, a.DTYPE);
+  for (int64_t t0 = 0; t0 < n; t0 += T) {
+    const int64_t nb = std::min(T, n - t0), n8 = (nb + 7) / 8 * 8;
+    for (int64_t t = 0; t < n8; ++t) {
+      if (t < nb)
+        for (int64_t d = 0; d < D; ++d) row[d] = load(k, (t0 + t) * st + d, a.DTYPE);
       for (int64_t g = 0; g < G; ++g) {
         float dot = 0.f;
-        #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * row[d];
-        s[g * nb + t] = dot;
+        s[g * T + t] = t < nb ? dot : -INFINITY;
       }
     }
-    softmax_step(s, G, nb, D, m, l, acc);
+    if (!softmax_step(s, G, n8, T, D, m, l, acc)) continue;
     for (int64_t t = 0; t < nb; ++t) {
       for (int64_t d = 0; d < D; ++d) row[d] = load(v, (t0 + t) * st + d, a.DTYPE);
       for (int64_t g = 0; g < G; ++g) {
-        const float p = s[g * nb + t];
-        #pragma omp simd
+        const float p = s[g * T + t];
         for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * row[d];
       }
     }
