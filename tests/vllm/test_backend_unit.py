@@ -231,3 +231,64 @@ def test_page_bytes_and_pool_bytes() -> None:
     assert pool_bytes(Scheme(4, 2, 128, sink_tokens=0), 3, 64, torch.bfloat16, 4) == 393216
     assert pool_bytes(Scheme(4, 2, 128, sink_tokens=1), 3, 64, torch.bfloat16, 4) == 393216 + 3072
     assert pool_bytes(Scheme(4, 2, 128, sink_tile=True), 3, 64, torch.bfloat16, 4) == 2 * 393216
+
+
+def test_impl_and_builder_in_a_vllm_config(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention impl allocates its pools when built (``max_num_seqs`` slots) and takes them from
+    an explicit KV memory; the builder's step tensors drive its forward with no host work; a decode
+    token after a 200-token prompt gets the reference codec's tile-causal attention."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from kvarn.codec import dequantize_tiles, quantize_tiles
+    from kvarn.vllm import plugin
+    from kvarn.vllm.backend import KvarnAttentionImpl, KvarnMetadataBuilder, pool_bytes
+    from kvarn.vllm.synthetic import write_config_only
+
+    plugin.register()
+    scheme = Scheme(4, 2, 128, sink_tokens=1)
+    model = str(write_config_only(tmp_path / "m", num_hidden_layers=1))
+    args = EngineArgs(model=model, kv_cache_dtype=scheme.name, max_num_seqs=3, kv_cache_memory_bytes=2**24)
+    config = args.create_engine_config()
+    h, hq, d = 2, 4, 64
+    with set_current_vllm_config(config):
+        impl = KvarnAttentionImpl(hq, d, 0.125, h, None, None, scheme.name)
+    assert impl.stage[0].shape == (3, h, 128, d) and impl.sink is not None and impl.sink[0].shape == (3, h, 1, d)
+    dtype = config.model_config.dtype  # bfloat16 on CPU
+    assert impl.stage[0].dtype == dtype
+    assert config.cache_config.kv_cache_memory_bytes == 2**24 - pool_bytes(scheme, h, d, dtype, 3)
+    spec = SimpleNamespace(block_size=128)
+    builder = KvarnMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], config, torch.device("cpu"))
+    layer = SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
+    cache = torch.zeros(6, h, 1, scheme.tile_bytes(d), dtype=torch.uint8)
+    torch.manual_seed(4)
+    n = 201
+    # values the staging pool's dtype holds exactly, so the reference can use them as they are
+    q, k, v = (torch.randn(n, x, d).to(dtype).float() for x in (hq, h, h))
+    out = torch.zeros(n, hq * d)
+    for lo, hi in ((0, 200), (200, 201)):  # the prompt, then one decode token
+        qsl = torch.tensor([0, hi - lo], dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl,
+            seq_lens=torch.tensor([hi], dtype=torch.int32),
+            num_reqs=1,
+            num_actual_tokens=hi - lo,
+            max_query_len=hi - lo,
+            max_seq_len=hi,
+            block_table_tensor=torch.tensor([[3, 5, 0]], dtype=torch.int32),
+            slot_mapping=torch.zeros(hi - lo, dtype=torch.long),
+        )
+        st = builder.build(0, common)
+        with pytest.MonkeyPatch.context() as mp:
+            _guard(mp)
+            impl.forward(layer, q[lo:hi], k[lo:hi], v[lo:hi], cache, st, out[lo:hi])
+    # the decode token reads tile 0 packed (token 0 exact) and tokens 128..200 exactly
+    kd, vd = dequantize_tiles(quantize_tiles(k[:128].transpose(0, 1), v[:128].transpose(0, 1), scheme), scheme, d)
+    kk = torch.cat([k[:1], kd.transpose(0, 1)[1:], k[128:]]).repeat_interleave(2, 1).transpose(0, 1)
+    vv = torch.cat([v[:1], vd.transpose(0, 1)[1:], v[128:]]).repeat_interleave(2, 1).transpose(0, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(q[200:].transpose(0, 1), kk, vv, scale=0.125)
+    torch.testing.assert_close(out[200:].view(1, hq, d), ref.transpose(0, 1), atol=3e-5, rtol=1e-4)
