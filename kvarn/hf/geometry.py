@@ -120,13 +120,21 @@ def _layer_types_and_windows(text: Any) -> tuple[list[str], list[int | None]]:
     return list(types), [window if t == SLIDING else None for t in types]
 
 
+def _kv_heads(c: Any) -> int:
+    return int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+
+
+def _head_dim(c: Any) -> int:
+    return int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+
+
 def cache_geometry(config: Any) -> CacheGeometry:
     """The :class:`CacheGeometry` of a transformers config (or its text config, for multimodal ones).
 
     Raises:
         ValueError: a layer type other than full or sliding-window attention (the message lists the
             model's types and the supported ones), a sliding layer without a window, layers whose
-            head_dim differs (Gemma 4's ``global_head_dim``), or latent attention (MLA).
+            KV heads or head_dim differ (Gemma 4), or latent attention (MLA).
     """
     text = _text_config(config)
     if getattr(text, "kv_lora_rank", None):  # DeepSeek-style MLA: a latent, keys wider than values
@@ -142,15 +150,14 @@ def cache_geometry(config: Any) -> CacheGeometry:
         )
     if any(t == SLIDING and (w is None or int(w) < 1) for t, w in zip(types, windows, strict=True)):
         raise ValueError(f"a sliding_attention layer needs a sliding_window of at least 1 token, got {windows}")
-    heads = int(text.num_attention_heads)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-    global_head_dim = getattr(text, "global_head_dim", None)  # Gemma 4: wider full-attention layers
-    if global_head_dim and int(global_head_dim) != head_dim:
+    per_layer = list(text.per_layer_config) if getattr(text, "is_heterogeneous", False) else [text] * len(types)
+    shapes = {(_kv_heads(c), _head_dim(c)) for c in per_layer}
+    if len(shapes) > 1:  # Gemma 4: full-attention layers with a wider head_dim and other KV heads
         raise ValueError(
-            f"KVarNCache needs one head_dim for all layers; this model has head_dim {head_dim} and "
-            f"global_head_dim {global_head_dim}"
+            f"KVarNCache needs the same KV heads and head_dim in every layer; this model has (kv_heads, head_dim) "
+            f"{sorted(shapes)} across its layers"
         )
+    kv_heads, head_dim = shapes.pop()
     return CacheGeometry(tuple(types), tuple(None if w is None else int(w) for w in windows), kv_heads, head_dim)
 
 

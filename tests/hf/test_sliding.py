@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen3NextConfig
+from transformers import (
+    DeepseekV3Config,
+    Gemma3TextConfig,
+    Gemma4TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen3NextConfig,
+)
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvarn.codec import dequantize_tiles, quantize_tiles
@@ -136,8 +143,8 @@ def test_errors_name_the_problem() -> None:
     base = dict(num_hidden_layers=2, num_attention_heads=2, head_dim=64, hidden_size=128)
     with pytest.raises(ValueError, match="sliding_window of at least 1"):
         cache_geometry(SimpleNamespace(**base, layer_types=["sliding_attention", "full_attention"]))
-    with pytest.raises(ValueError, match="global_head_dim 512"):
-        cache_geometry(SimpleNamespace(**base, global_head_dim=512))
+    with pytest.raises(ValueError, match=r"\(kv_heads, head_dim\) \[\(8, 256\), \(8, 512\)\]"):
+        cache_geometry(Gemma4TextConfig(num_hidden_layers=6, num_key_value_heads=8))  # full layers: head_dim 512
     with pytest.raises(ValueError, match="latent attention"):
         cache_geometry(DeepseekV3Config(num_hidden_layers=2))
     with pytest.raises(ValueError, match="also has linear_attention"):
