@@ -20,7 +20,7 @@ import torch
 
 from kvarn.kernels import cpu_native, cpu_torch
 from kvarn.kernels._checks import FLOAT_DTYPES, KernelArgumentError, check_tensor
-from kvarn.kernels.cpu_args import CPU, check_paged
+from kvarn.kernels.cpu_args import CPU, check_indices, check_paged
 from kvarn.schemes.scheme import Scheme
 
 __all__ = ["decode_attention", "prefill_attention"]
@@ -75,7 +75,7 @@ def decode_attention(
     check_tensor("query", query, (bsz, hq, d), FLOAT_DTYPES, CPU)
     p = check_paged(
         scheme, bsz, hq, d, cache, block_table, num_tiles,
-        (tail_k, tail_v, tail_lens, tail_slot), (sink_k, sink_v, sink_lens, sink_slot), sm_scale,
+        (tail_k, tail_v, tail_lens, tail_slot), (sink_k, sink_v, sink_lens, sink_slot), sm_scale, indices=False,
     )  # fmt: skip
     if impl not in IMPLS:
         raise KernelArgumentError(f"impl={impl!r} is not one of: {', '.join(IMPLS)}")
@@ -86,6 +86,7 @@ def decode_attention(
         return out
     if impl == "native":
         raise KernelArgumentError("impl='native': the native kernel is not built or does not take these tensors")
+    check_indices(p, block_table, num_tiles)
     out.copy_(cpu_torch.decode(p, query, block_table, num_tiles))
     return out
 

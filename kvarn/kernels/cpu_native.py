@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 from kvarn.codec.tiles import layout
-from kvarn.kernels._checks import log8_table, rotation
-from kvarn.kernels.cpu_args import CPU, Paged
+from kvarn.kernels._checks import KernelArgumentError, log8_table, rotation
+from kvarn.kernels.cpu_args import CPU, Paged, check_indices
 from kvarn.kernels.cpu_native_src import SOURCE
+from kvarn.schemes.scheme import Scheme
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class _Args(ctypes.Structure):
     _fields_ = [
         *((n, _I) for n in ("B", "H", "G", "D", "T", "KB", "VB", "LOG8", "SPLITS", "NTHREADS")),
         *((n, _I) for n in ("KC", "VC", "KS", "KO", "KF", "VS", "VO", "VF", "DTYPE", "SINK_TOKENS", "SINK_CAP")),
+        *((n, _I) for n in ("NUM_BLOCKS", "BT_WIDTH", "TAIL_SLOTS", "SINK_SLOTS")),
         ("cache", _P), ("cache_sb", _I), ("cache_sh", _I), ("block_table", _P), ("bt_sb", _I), ("num_tiles", _P),
         ("q", _P), ("q_sb", _I), ("q_sh", _I),
         ("tail_k", _P), ("tail_v", _P), ("tail_ss", _I), ("tail_sh", _I), ("tail_st", _I),
@@ -121,29 +123,60 @@ def _i32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
+# what an error code of kvarn_decode's index check means
+_INDEX_ERRORS = {
+    1: "num_tiles must be in 0..block_table.shape[1]",
+    2: "block_table[b, :num_tiles[b]] must hold block ids in 0..num_blocks-1",
+    3: "tail_lens must be in 0..group_size",
+    4: "tail_slot must hold indices into the staging pool",
+    5: "sink_slot must hold indices into the sink pool",
+}
+
+
+@functools.lru_cache(maxsize=64)
+def _static_args(scheme: Scheme, d: int, dtype: torch.dtype, sink_cap: int) -> _Args:
+    """The fields of ``_Args`` fixed by the scheme, head_dim and dtype (copied per call)."""
+    lay = layout(scheme, d)
+    a = _Args()
+    a.D, a.T, a.KB, a.VB, a.LOG8 = (
+        d,
+        scheme.group_size,
+        scheme.key_bits,
+        scheme.value_bits,
+        scheme.scale_dtype == "log8",
+    )
+    a.KC, a.VC, a.KS, a.KO, a.KF = lay.key_codes, lay.value_codes, lay.key_scale, lay.key_offset, lay.key_factor
+    a.VS, a.VO, a.VF = lay.value_scale, lay.value_offset, lay.value_factor
+    a.DTYPE, a.SINK_TOKENS, a.SINK_CAP = _DTYPES[dtype], scheme.sink_tokens, sink_cap
+    if scheme.rotation != "none":
+        a.rot, a.rot_t = (m.data_ptr() for m in _rotations(scheme.rotation, d))
+    a.lut = log8_table(CPU).data_ptr()
+    return a
+
+
 def decode(
     p: Paged, query: torch.Tensor, block_table: torch.Tensor, num_tiles: torch.Tensor, out: torch.Tensor
 ) -> bool:
     """Native decode into ``out`` ``[B, Hq, D]``; False (nothing written) when the library is missing
-    or the tensors do not fit it (mixed dtypes, different strides of keys and values)."""
+    or the tensors do not fit it (mixed dtypes, different strides of keys and values).
+
+    Raises:
+        KernelArgumentError: an index out of range (checked by the kernel before it reads anything).
+    """
     lib = library()
     dtype = query.dtype
-    rows = [(p.tail_k, p.tail_v)] + ([(p.sink_k, p.sink_v)] if p.sink_k is not None and p.sink_v is not None else [])
-    if lib is None or any(k.dtype != dtype or k.stride() != v.stride() for k, v in rows):
+    sink = p.sink_k is not None and p.sink_v is not None and p.sink_lens is not None
+    rows = [(p.tail_k, p.tail_v)] + ([(p.sink_k, p.sink_v)] if sink else [])
+    if lib is None or any(k is None or v is None or k.dtype != dtype or k.stride() != v.stride() for k, v in rows):
         return False
     bsz, hq, d = query.shape
-    h, sc, t = p.cache.shape[1], p.scheme, p.scheme.group_size
+    h = p.cache.shape[1]
     dst = out if out.dtype == dtype and out.stride(-1) == 1 else torch.empty_like(query)
-    lay = layout(sc, d)
+    a = _Args.from_buffer_copy(_static_args(p.scheme, d, dtype, p.sink_k.shape[2] if p.sink_k is not None else 0))
     threads = torch.get_num_threads()
+    a.B, a.H, a.G, a.SPLITS, a.NTHREADS = bsz, h, hq // h, choose_splits(bsz, h, threads), threads
     keep = [_i32(block_table), _i32(num_tiles), _i32(p.tail_lens)]
-    a = _Args(
-        bsz, h, hq // h, d, t, sc.key_bits, sc.value_bits, sc.scale_dtype == "log8",
-        choose_splits(bsz, h, threads), threads,
-        lay.key_codes, lay.value_codes, lay.key_scale, lay.key_offset, lay.key_factor,
-        lay.value_scale, lay.value_offset, lay.value_factor, _DTYPES[dtype], sc.sink_tokens,
-        0 if p.sink_k is None else p.sink_k.shape[2],
-    )  # fmt: skip
+    a.NUM_BLOCKS, a.BT_WIDTH, a.TAIL_SLOTS = p.cache.shape[0], block_table.shape[1], p.tail_k.shape[0]
     a.cache, a.cache_sb, a.cache_sh = p.cache.data_ptr(), p.cache.stride(0), p.cache.stride(1)
     a.block_table, a.bt_sb, a.num_tiles = keep[0].data_ptr(), keep[0].stride(0), keep[1].data_ptr()
     a.q, a.q_sb, a.q_sh = query.data_ptr(), query.stride(0), query.stride(1)
@@ -156,14 +189,16 @@ def decode(
         keep.append(_i32(p.sink_lens))
         a.sink_k, a.sink_v, a.sink_lens = p.sink_k.data_ptr(), p.sink_v.data_ptr(), keep[-1].data_ptr()
         a.sink_ss, a.sink_sh, a.sink_st = p.sink_k.stride()[:3]
+        a.SINK_SLOTS = p.sink_k.shape[0]
         if p.sink_slot is not None:
             keep.append(_i32(p.sink_slot))
             a.sink_slot = keep[-1].data_ptr()
-    if sc.rotation != "none":
-        a.rot, a.rot_t = (m.data_ptr() for m in _rotations(sc.rotation, d))
-    a.lut, a.scale = log8_table(CPU).data_ptr(), p.sm_scale
+    a.scale = p.sm_scale
     a.out, a.out_sb, a.out_sh = dst.data_ptr(), dst.stride(0), dst.stride(1)
-    lib.kvarn_decode(ctypes.byref(a))
+    bad = lib.kvarn_decode(ctypes.byref(a))
+    if bad:  # the host checks name the values; the kernel's code says which check failed
+        check_indices(p, block_table, num_tiles)
+        raise KernelArgumentError(_INDEX_ERRORS[bad])
     if dst is not out:
         out.copy_(dst)
     return True

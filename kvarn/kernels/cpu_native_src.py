@@ -39,6 +39,7 @@ struct Args {  // every field 8 bytes: mirrored by ctypes in cpu_native.py
   int64_t DTYPE;                            // of query, rows and output: 0 f32, 1 f16, 2 bf16
   int64_t SINK_TOKENS;                      // > 0: sink rows replace tile 0's first positions
   int64_t SINK_CAP;                         // rows per sink slot (0: no sink)
+  int64_t NUM_BLOCKS, BT_WIDTH, TAIL_SLOTS, SINK_SLOTS;  // bounds of the indices, checked before any read
   const uint8_t* cache; int64_t cache_sb, cache_sh;             // byte strides
   const int32_t* block_table; int64_t bt_sb;
   const int32_t* num_tiles;
@@ -288,23 +289,35 @@ inline bool softmax_step(float* s, int64_t G, int64_t n, int64_t ld, int64_t D, 
   return any;
 }
 
-// scores of rows 0..R-1 (R a multiple of 8) for query heads g0..g0+3 (qs rows beyond G are zeros):
-// s[g * ld + t]
-inline void key_scores(const float* rows, const float* qs, int64_t R, int64_t L, int64_t g0, int64_t G, float* s,
-                       int64_t ld, v8f* red) {
+// scores of rows 0..R-1 (R a multiple of 8) for query heads g0..g0+NG-1: s[g * ld + t]
+template <int NG>
+inline void key_scores(const float* rows, const float* qs, int64_t R, int64_t L, int64_t g0, float* s, int64_t ld,
+                       v8f* red) {
   const float* q0 = qs + g0 * L;
   for (int64_t t8 = 0; t8 < R; t8 += 8) {
     for (int r = 0; r < 8; ++r) {
       const float* row = rows + (t8 + r) * L;
-      v8f a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0;
+      v8f acc[NG];
+      for (int k = 0; k < NG; ++k) acc[k] = splat(0.f);
       for (int64_t x = 0; x < L; x += 8) {
         const v8f v = loadv(row + x);
-        a0 += v * loadv(q0 + x); a1 += v * loadv(q0 + L + x);
-        a2 += v * loadv(q0 + 2 * L + x); a3 += v * loadv(q0 + 3 * L + x);
+        for (int k = 0; k < NG; ++k) acc[k] += v * loadv(q0 + k * L + x);
       }
-      red[r] = a0; red[8 + r] = a1; red[16 + r] = a2; red[24 + r] = a3;
+      for (int k = 0; k < NG; ++k) red[8 * k + r] = acc[k];
     }
-    for (int k = 0; k < 4 && g0 + k < G; ++k) storev(s + (g0 + k) * ld + t8, hsum8(red + 8 * k));
+    for (int k = 0; k < NG; ++k) storev(s + (g0 + k) * ld + t8, hsum8(red + 8 * k));
+  }
+}
+
+inline void key_scores_all(const float* rows, const float* qs, int64_t R, int64_t L, int64_t G, float* s, int64_t ld,
+                           v8f* red) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: key_scores<1>(rows, qs, R, L, g0, s, ld, red); break;
+      case 2: key_scores<2>(rows, qs, R, L, g0, s, ld, red); break;
+      case 3: key_scores<3>(rows, qs, R, L, g0, s, ld, red); break;
+      default: key_scores<4>(rows, qs, R, L, g0, s, ld, red); break;
+    }
   }
 }
 
@@ -362,10 +375,10 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
     }
     for (int64_t r0 = 0; r0 < T; r0 += ROWS) {  // blocks of rows stay in L1 as floats
       unpack_rows<KB>(rec + a.KC, T, D, r0, ROWS, rows);
-      for (int64_t g0 = 0; g0 < G; g0 += 4) key_scores(rows, qs, ROWS, LK, g0, G, s + r0, T, w.red.data());
+      key_scores_all(rows, qs, ROWS, LK, G, s + r0, T, w.red.data());
     }
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t t = 0; t < T; ++t) s[g * T + t] = w.kf[t] * (s[g * T + t] + c[g]);
+      for (int64_t t = 0; t < T; t += 8) storev(s + g * T + t, loadv(w.kf.data() + t) * (loadv(s + g * T + t) + c[g]));
     if (i == 0 && sink_n > 0 && a.SINK_TOKENS > 0)  // attended from the exact copies instead
       for (int64_t g = 0; g < G; ++g)
         for (int64_t t = 0; t < std::min(sink_n, T); ++t) s[g * T + t] = -INFINITY;
@@ -374,9 +387,13 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
     offsets(rec + a.VO, T, log8, w.vs.data(), w.vo.data());
     positives(rec + a.VF, D, log8, a.lut, w.vf.data());
     for (int64_t g = 0; g < G; ++g) {
-      float cg = 0.f;
-      for (int64_t t = 0; t < T; ++t) { cg += s[g * T + t] * w.vo[t]; s[g * T + t] *= w.vs[t]; }
-      c[g] = cg;
+      v8f cg = splat(0.f);
+      for (int64_t t = 0; t < T; t += 8) {
+        const v8f p = loadv(s + g * T + t);
+        cg += p * loadv(w.vo.data() + t);
+        storev(s + g * T + t, p * loadv(w.vs.data() + t));
+      }
+      c[g] = hadd8(cg);
     }
     std::fill(tmp, tmp + G * LV, 0.f);
     for (int64_t r0 = 0; r0 < T; r0 += ROWS) {
@@ -467,8 +484,25 @@ int64_t sink_rows(const Args& a, int64_t b) {
 
 }  // namespace
 
+// 0, or which index is out of range: 1 num_tiles, 2 a block id, 3 tail_lens, 4 tail_slot, 5 sink_slot
+int check_indices(const Args& a) {
+  for (int64_t b = 0; b < a.B; ++b) {
+    const int64_t n = a.num_tiles[b];
+    if (n < 0 || n > a.BT_WIDTH) return 1;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t blk = a.block_table[b * a.bt_sb + i];
+      if (blk < 0 || blk >= a.NUM_BLOCKS) return 2;
+    }
+    if (a.tail_lens[b] < 0 || a.tail_lens[b] > a.T) return 3;
+    if (a.tail_slot && (a.tail_slot[b] < 0 || a.tail_slot[b] >= a.TAIL_SLOTS)) return 4;
+    if (a.sink_slot && (a.sink_slot[b] < 0 || a.sink_slot[b] >= a.SINK_SLOTS)) return 5;
+  }
+  return 0;
+}
+
 extern "C" int kvarn_decode(const Args* args) {
   const Args& a = *args;
+  if (const int bad = check_indices(a)) return bad;
   const int64_t B = a.B, H = a.H, G = a.G, D = a.D, S = a.SPLITS, P = S + 1, W = D + 2;
   std::vector<float> part((size_t)(B * H * P * G * W));  // per (b, h, part, g): m, l, acc[D]
   const TileFn tiles = pick(a.KB, a.VB);

@@ -208,8 +208,13 @@ def test_arguments_are_checked_with_names() -> None:
         cpu.decode_attention(q[0], *base, sc)
     with pytest.raises(KernelArgumentError, match="multiple of num_kv_heads"):
         cpu.decode_attention(torch.randn(1, 3, 64), pb.cache.expand(-1, 2, -1).contiguous(), *base[1:], sc)
-    with pytest.raises(KernelArgumentError, match="tail_slot must hold indices in 0..0"):
-        cpu.decode_attention(q, *base, sc, tail_slot=torch.tensor([1], dtype=torch.int32))
+    for impl in IMPLS:  # index checks: on the host (torch), in the kernel before any read (native)
+        with pytest.raises(KernelArgumentError, match="tail_slot must hold indices in 0..0"):
+            cpu.decode_attention(q, *base, sc, tail_slot=torch.tensor([1], dtype=torch.int32), impl=impl)
+        with pytest.raises(KernelArgumentError, match="block ids in 0..3"):
+            cpu.decode_attention(q, pb.cache, pb.block_table + 4, *base[2:], sc, impl=impl)
+        with pytest.raises(KernelArgumentError, match="num_tiles"):
+            cpu.decode_attention(q, pb.cache, pb.block_table, pb.num_tiles + 9, *base[3:], sc, impl=impl)
     with pytest.raises(KernelArgumentError, match="pass sink_k, sink_v and sink_lens"):
         cpu.decode_attention(q, *base, scheme("kvarn_k4v2_g32", 2))
     with pytest.raises(KernelArgumentError, match="block_table"):
