@@ -285,9 +285,8 @@ def register() -> None:
 
         names = list(BUILTINS)
     for extra in filter(None, os.environ.get(RESOLVED_ENV, "").split(",")):  # see RESOLVED_ENV
-        try:
-            name = get_preset(extra).name
-            names += [name] if name not in names else []
+        try:  # the name as the front end was given it, and its preset's name
+            names += [n for n in (extra, get_preset(extra).name) if n not in names]
         except Exception as e:  # a stale name must not break vLLM for other dtypes
             logger.warning("kvarn: %s lists %r, which does not resolve (%s); skipped", RESOLVED_ENV, extra, e)
     register_dtypes(names)
