@@ -7,7 +7,9 @@ queries; half-precision inputs are rounded the same way for the oracle).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from kvarn.schemes import Scheme
 from ._reference import PagedBatch, attention, paged_batch, sqnr_db
 
 MIN_SQNR_DB = 60.0
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_cpu_serving.py"
 HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
 # every decode case runs through both paths: the native kernel (where it builds) and vectorized torch
 IMPLS = ["torch", "native"] if HAS_COMPILER else ["torch"]
@@ -222,3 +225,22 @@ def test_arguments_are_checked_with_names() -> None:
     with pytest.raises(KernelArgumentError, match="cu_seqlens_q must rise from 0 to 3"):
         cu = torch.tensor([0, 2], dtype=torch.int32)
         cpu.prefill_attention(torch.randn(3, 2, 64), torch.randn(3, 1, 64), torch.randn(3, 1, 64), cu, *base, sc)
+
+
+def test_bench_tool_measures_every_method_and_replaces_its_doc_section(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("bench_cpu_serving", TOOL)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    rows = tool.bench_ops([2], [300], repeats=1)
+    assert [(r["batch"], r["context"]) for r in rows] == [(2, 300)]
+    assert set(rows[0]["ms"]) == {"kvarn native", "kvarn torch", "dequantize + SDPA"} | {
+        f"SDPA {t} KV" for t in ("bf16", "fp16", "fp32")
+    }
+    assert all(ms > 0 for ms in rows[0]["ms"].values())
+    doc = tmp_path / "cpu_serving.md"
+    doc.write_text("# title\n\nkept\n")
+    tool.write_section(doc, "ops", tool.ops_table(rows))
+    tool.write_section(doc, "ops", "second")
+    text = doc.read_text()
+    assert "kept" in text and "second" in text and "kvarn native" not in text
