@@ -31,8 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="smollm2-135m", help="model alias or local Hugging Face folder")
     p.add_argument("--budget", required=True, help="'1%%' (perplexity increase), 'kl=0.01', or 'greedy=200'")
-    p.add_argument("--text", type=Path, help="calibration text file (default: the bundled GPL-3 text)")
-    p.add_argument("--tokens", type=int, default=1024, help="tokens evaluated on each part (default 1024)")
+    p.add_argument("--text", type=Path, help="calibration text file (default: the bundled GPL-3 + Apache-2.0 text)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=4096,
+        help="tokens evaluated on each part (default 4096: the more tokens, the tighter the confidence bound "
+        "that decides feasibility)",
+    )
     p.add_argument("--holdout", type=float, default=0.5, help="fraction of the text held out (default 0.5)")
     p.add_argument(
         "--split",
@@ -213,7 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(e))
     finally:
         bar.close()
-    written = write_presets(res, name, out_dir, str(args.text) if args.text else "bundled GPL-3 (kvarn/data/gpl-3.txt)")
+    written = write_presets(
+        res, name, out_dir, str(args.text) if args.text else "bundled GPL-3 + Apache-2.0 (kvarn/data)"
+    )
     plot = None
     if res.trials:
         plot = plot_front(res, args.plot or out_dir / f"{name}.png")
