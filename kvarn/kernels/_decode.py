@@ -254,34 +254,36 @@ def decode_kernel(
         KB, VB, T, D, BT, LOG8, SINK_TOKENS, KC, VC, KS, KO, KF, VS, VO, VF,
     )  # fmt: skip
 
-    # plain tokens after the tiles (order is free in an online softmax; the query is reloaded so
-    # the tile loop holds only the rotated one)
-    qs = tl.load(q_rows + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * qk_scale
-    no_limit = tl.full((BLOCK_G,), NEVER, tl.int32)
-    if HAS_SINK:  # noqa: SIM102  (a constexpr, then a runtime condition)
-        if split == 0:
-            sslot = slot_of(sink_slot_ptr, b, SINK_SLOT)
-            sink = sslot * stride_sb + hk * stride_sh
+    # plain tokens after the tiles, in the first split (sink) and the last (tail); order is free
+    # in an online softmax, and the tile loop then holds only the rotated query
+    if (split == 0) | (split == S - 1):
+        qs = tl.load(q_rows + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * qk_scale
+        no_limit = tl.full((BLOCK_G,), NEVER, tl.int32)
+        if HAS_SINK:  # noqa: SIM102  (a constexpr, then a runtime condition)
+            if split == 0:
+                sslot = slot_of(sink_slot_ptr, b, SINK_SLOT)
+                sink = sslot * stride_sb + hk * stride_sh
+                m, lsum, acc_r, acc_p = attend_plain(
+                    sink_k_ptr + sink, sink_v_ptr + sink, stride_st, n_sink, no_limit, qs, m, lsum, acc_r, acc_p,
+                    PT, D, ROTATE,
+                )  # fmt: skip
+        if split == S - 1:
+            tslot = slot_of(tail_slot_ptr, b, TAIL_SLOT)
+            tail = tslot * stride_tb + hk * stride_th
+            n_tail = tl.minimum(tl.maximum(tl.load(tail_len_ptr + b), 0), T)
             m, lsum, acc_r, acc_p = attend_plain(
-                sink_k_ptr + sink, sink_v_ptr + sink, stride_st, n_sink, no_limit, qs, m, lsum, acc_r, acc_p,
+                tail_k_ptr + tail, tail_v_ptr + tail, stride_tt, n_tail, no_limit, qs, m, lsum, acc_r, acc_p,
                 PT, D, ROTATE,
             )  # fmt: skip
-    if split == S - 1:
-        tslot = slot_of(tail_slot_ptr, b, TAIL_SLOT)
-        tail = tslot * stride_tb + hk * stride_th
-        n_tail = tl.minimum(tl.maximum(tl.load(tail_len_ptr + b), 0), T)
-        m, lsum, acc_r, acc_p = attend_plain(
-            tail_k_ptr + tail, tail_v_ptr + tail, stride_tt, n_tail, no_limit, qs, m, lsum, acc_r, acc_p,
-            PT, D, ROTATE,
-        )  # fmt: skip
 
     hq = hk * G + g
     if PARTIAL:
         NACC: tl.constexpr = 2 if ROTATE else 1
         row = (b * (tl.num_programs(1) * G) + hq) * S + split  # [B, Hq, S] flattened
         tl.store(part_ptr + (row * NACC)[:, None] * D + d[None, :], acc_r, mask=gmask[:, None])
-        if ROTATE:
-            tl.store(part_ptr + (row * NACC + 1)[:, None] * D + d[None, :], acc_p, mask=gmask[:, None])
+        if ROTATE:  # only the first and last split attend plain tokens; the merge reads only theirs
+            plain_rows = gmask & ((g * 0 + split == 0) | (g * 0 + split == S - 1))
+            tl.store(part_ptr + (row * NACC + 1)[:, None] * D + d[None, :], acc_p, mask=plain_rows[:, None])
         tl.store(ml_ptr + row * 2, m, mask=gmask)
         tl.store(ml_ptr + row * 2 + 1, lsum, mask=gmask)
     else:
@@ -322,10 +324,13 @@ def merge_kernel(
         base = part_ptr + (row * S + s).to(tl.int64) * NACC * D
         if ROTATE:
             rot += w * tl.load(base + d)
-            plain += w * tl.load(base + D + j)
         else:
             plain += w * tl.load(base + j)
-    if ROTATE:  # acc @ R^T, columns j: sum_d acc[d] * R[j, d]
+    if ROTATE:  # plain tokens: first split (sink) and last (tail) only; then acc @ R^T: sum_d acc[d] * R[j, d]
+        for s in tl.static_range(2 if S > 1 else 1):
+            sp = s * (S - 1)
+            w = tl.exp2(tl.load(ml_ptr + (row * S + sp) * 2) - m_use)
+            plain += w * tl.load(part_ptr + ((row * S + sp).to(tl.int64) * 2 + 1) * D + j)
         plain += tl.sum(tl.load(rot_ptr + j[:, None] * D + d[None, :]) * rot[None, :], axis=1)
     out = plain / tl.where(denom > 0, denom, 1.0)
     b = row // Hq

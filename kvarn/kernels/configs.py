@@ -9,6 +9,7 @@ spread over 8 warps).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvarn.schemes.scheme import Scheme
@@ -28,16 +29,16 @@ class KernelConfig:
 
 
 def store_configs(scheme: Scheme, head_dim: int) -> list[KernelConfig]:
-    """Store kernel: one program per tile, streaming it in chunks of ~4096 elements.
+    """Store kernel: one program per tile, streaming it through its workspace in chunks.
 
-    ``block_m`` is the tokens per row chunk and ``block_n`` the channels per column chunk (the
-    kernel reduces over tokens by row chunks and over channels by column chunks); at least 16 each,
-    the smallest ``tl.dot`` operand. Compile gate (sm_90, ``tools/compile_gate.py``): see
-    docs/benchmarks.md for the registers and shared memory of these choices.
+    ``block_m`` is the tokens per row chunk (~1024 elements) and ``block_n`` the channels per
+    column chunk (~2048 elements); the kernel reduces over tokens by row chunks and over channels
+    by column chunks. Measured with ``tools/compile_gate.py`` (sm_90, k4v2_g128, head_dim 128,
+    8 warps): rows of 8 take ~100 registers and no spills; rows of 16 hit ptxas' 128 and spill.
     """
     t, d = scheme.group_size, head_dim
-    rows, cols = min(t, max(16, 4096 // d)), min(d, max(16, 4096 // t))
-    return [KernelConfig(8, 1, rows, cols), KernelConfig(4, 1, rows, cols), KernelConfig(8, 1, max(16, rows // 2), cols)]
+    rows, cols = min(t, max(1, 1024 // d)), min(d, max(1, 2048 // t))
+    return [KernelConfig(8, 1, rows, cols), KernelConfig(4, 1, rows, cols)]
 
 
 def decode_configs(scheme: Scheme, head_dim: int, group_q: int) -> list[KernelConfig]:
@@ -68,3 +69,88 @@ def prefill_configs(head_dim: int) -> list[KernelConfig]:
     if head_dim <= 128:
         return [KernelConfig(4, 2, 32, 64), KernelConfig(8, 2, 64, 64)]
     return [KernelConfig(8, 2, 16, 32), KernelConfig(8, 2, 32, 32)]
+
+
+@dataclass(frozen=True)
+class DecodeBytes:
+    """Bytes one decode call moves, by launch argument (see :func:`decode_bytes`)."""
+
+    records: int  # packed tiles: every (sequence, KV head) reads each of its records once
+    tails: int  # staged rows read (keys and values)
+    sinks: int  # exact sink rows read
+    metadata: int  # block-table entries, tile counts, lengths and slot ids, as loaded by every program
+    query: int  # query rows: once per program, again in the splits that attend plain tokens
+    partials: int  # split/rotation partials and (m, l): written by decode, read by the merge
+    output: int  # the output, written once
+    tables: int  # rotation matrix and log8 table, counted once (every program re-reads them from L2)
+
+    @property
+    def total(self) -> int:
+        return (
+            self.records + self.tails + self.sinks + self.metadata + self.query + self.partials
+            + self.output + self.tables
+        )  # fmt: skip
+
+    @property
+    def overhead(self) -> float:
+        """``total / records``: how much more than the packed records one step moves (1.0 = nothing else)."""
+        return self.total / max(self.records, 1)
+
+
+def decode_bytes(
+    scheme: Scheme,
+    seq_lens: Sequence[int],
+    num_kv_heads: int,
+    num_q_heads: int,
+    head_dim: int,
+    num_splits: int = 1,
+    *,
+    query_bytes: int = 2,
+    staging_bytes: int = 2,
+    pools: bool = True,
+) -> DecodeBytes:
+    """Bytes :func:`kvarn.kernels.ops.decode_attention` moves for contexts of ``seq_lens`` tokens.
+
+    Computed from the launch arguments and the kernels' loads, not measured: the packed records of
+    every full tile, the staged tail and sink rows actually read (``tail_lens``/``sink_lens``
+    rows, keys and values), the metadata every program loads, the query (``query_bytes`` per
+    element; also the output's), partials when the scheme rotates or ``num_splits > 1`` (float32
+    accumulators plus ``(m, l)``, written and read back), and the constant tables once.
+    ``pools``: slot ids are read too (``tail_slot``/``sink_slot``).
+
+    Example:
+        >>> from kvarn.schemes import Scheme
+        >>> b = decode_bytes(Scheme.from_name("kvarn_k4v2_g128"), [32 * 1024] * 32, 8, 32, 128)
+        >>> round(b.overhead, 3)
+        1.004
+    """
+    t, d, hkv = scheme.group_size, head_dim, num_kv_heads
+    rotate = scheme.rotation != "none"
+    records = tails = sinks = metadata = 0
+    for n in seq_lens:
+        sink = min(n, t) if scheme.sink_tile else 0
+        tiles = (n - sink) // t
+        tail = n - sink - tiles * t
+        if scheme.sink_tokens:
+            sink = min(n, scheme.sink_tokens) if tiles else 0
+        records += tiles * hkv * scheme.tile_bytes(d)
+        tails += tail * hkv * d * 2 * staging_bytes
+        sinks += sink * hkv * d * 2 * staging_bytes
+        every = 4 + (4 if scheme.sink_len else 0)  # each program: num_tiles, sink_lens
+        once = 4 + (4 if pools else 0) + (4 if scheme.sink_len and pools else 0)  # tail_lens, slots
+        metadata += hkv * (num_splits * every + once + tiles * 4)  # + the block-table entries
+    rows = len(seq_lens) * num_q_heads
+    plain_splits = min(num_splits, 2)  # the first split attends the sink, the last the tail
+    partial = rotate or num_splits > 1
+    acc = rows * (num_splits * (d + 2) + (plain_splits * d if rotate else 0)) * 4 if partial else 0
+    tables = (d * d * 4 if rotate else 0) + (256 * 4 if scheme.scale_dtype == "log8" else 0)
+    return DecodeBytes(
+        records=records,
+        tails=tails,
+        sinks=sinks,
+        metadata=metadata,
+        query=rows * (num_splits + plain_splits) * d * query_bytes,
+        partials=2 * acc,
+        output=rows * d * query_bytes,
+        tables=tables,
+    )

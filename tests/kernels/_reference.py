@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -126,3 +127,61 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: 
         pos = torch.arange(q.shape[0])[:, None] + causal_offset
         s = s.masked_fill(torch.arange(k.shape[1])[None, :] > pos, float("-inf"))
     return torch.einsum("hls,hsd->lhd", torch.softmax(s, dim=-1), v.cpu())
+
+
+def scheme(name: str, sink_tokens: int = 0) -> Scheme:
+    """``name`` with an explicit ``sink_tokens`` (built-in presets may default to exact first tokens).
+
+    Names with their own sink suffix (``_sink``, ``_sink2``) are taken as written.
+    """
+    s = Scheme.from_name(name)
+    return s if "_sink" in name else dataclasses.replace(s, sink_tokens=sink_tokens)
+
+
+@dataclass
+class Pools:
+    """The staging of a :class:`PagedBatch` moved into pools read by slot id (others' rows are noise)."""
+
+    tail_k: torch.Tensor  # [num_slots, Hkv, T, D]
+    tail_v: torch.Tensor
+    tail_slot: torch.Tensor  # [B] int32; 0 where the tail is empty
+    sink_k: torch.Tensor | None  # [num_sink_slots, Hkv, S, D]
+    sink_v: torch.Tensor | None
+    sink_slot: torch.Tensor | None
+
+
+def to_pools(pb: PagedBatch, scheme: Scheme, spare: int, seed: int = 0) -> Pools:
+    """Copy each sequence's tail and sink into a random slot of pools with ``spare`` extra slots.
+
+    Slots are a permutation (sequence b rarely gets slot b); unused rows hold random values, so a
+    kernel that read the wrong slot or rows past the lengths would fail the oracle. A sequence with
+    an empty tail gets slot 0 (another sequence's), as the contract allows. The sink pool holds
+    ``sink_tokens`` rows per slot (a sink tile: ``group_size``).
+    """
+    g = torch.Generator().manual_seed(seed + 77)
+    bsz, hkv, t, d = pb.tail_k.shape
+    slots = torch.randperm(bsz + spare, generator=g)[:bsz]
+    tail_k = torch.randn(bsz + spare, hkv, t, d, generator=g).to(pb.tail_k)
+    tail_v = torch.randn(bsz + spare, hkv, t, d, generator=g).to(pb.tail_v)
+    tail_k[slots], tail_v[slots] = pb.tail_k, pb.tail_v
+    tail_slot = torch.where(pb.tail_lens.cpu() > 0, slots, 0).to(torch.int32)
+    sink_k = sink_v = sink_slot = None
+    if pb.sink_k is not None and pb.sink_v is not None:
+        rows = t if scheme.sink_tile else scheme.sink_tokens
+        sslots = torch.randperm(bsz + spare, generator=g)[:bsz]
+        sink_k = torch.randn(bsz + spare, hkv, rows, d, generator=g).to(pb.sink_k)
+        sink_v = torch.randn(bsz + spare, hkv, rows, d, generator=g).to(pb.sink_v)
+        sink_k[sslots], sink_v[sslots] = pb.sink_k[:, :, :rows], pb.sink_v[:, :, :rows]
+        sink_slot = sslots.to(torch.int32).to(DEVICE)
+    return Pools(tail_k, tail_v, tail_slot.to(DEVICE), sink_k, sink_v, sink_slot)
+
+
+def with_tails(pb: PagedBatch, tails: list[int]) -> PagedBatch:
+    """``pb`` with ``tail_lens`` replaced by ``tails`` (0..group_size): the context takes those rows."""
+    old = pb.tail_lens.tolist()
+    ctx_k = [torch.cat([k[:, : k.shape[1] - o], pb.tail_k[b, :, :n].cpu()], 1) for b, (k, o, n) in
+             enumerate(zip(pb.context_k, old, tails, strict=True))]  # fmt: skip
+    ctx_v = [torch.cat([v[:, : v.shape[1] - o], pb.tail_v[b, :, :n].cpu()], 1) for b, (v, o, n) in
+             enumerate(zip(pb.context_v, old, tails, strict=True))]  # fmt: skip
+    tail_lens = torch.tensor(tails, dtype=torch.int32, device=pb.tail_lens.device)
+    return dataclasses.replace(pb, tail_lens=tail_lens, context_k=ctx_k, context_v=ctx_v)
