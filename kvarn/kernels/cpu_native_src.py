@@ -432,31 +432,54 @@ TileFn pick(int64_t kb, int64_t vb) {
   }
 }
 
-// exact rows (unrotated): n rows of a [rows, D] slab at element stride st
-// exact rows (unrotated): n rows of a [rows, D] slab at element stride st, in blocks of T
-void rows_task(const Args& a, const void* k, const void* v, int64_t st, int64_t n, const float* q, float* m,
+// row of D elements (f32, f16 or bf16) to floats; D is a multiple of 8
+inline void load_row(const void* src, int64_t dtype, int64_t D, float* dst) {
+  if (dtype == 0) {
+    std::memcpy(dst, src, D * 4);
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(src);
+  for (int64_t d = 0; d < D; d += 8) {
+    if (dtype == 2) {  // bf16: the high half of a float
+      typedef uint16_t v8u16 __attribute__((vector_size(16)));
+      v8u16 x;
+      std::memcpy(&x, h + d, 16);
+      storev(dst + d, (v8f)(__builtin_convertvector(x, v8i) << 16));
+    } else {
+#if defined(__F16C__) && defined(__FLT16_MAX__)
+      typedef _Float16 v8h __attribute__((vector_size(16)));
+      v8h x;
+      std::memcpy(&x, h + d, 16);
+      storev(dst + d, __builtin_convertvector(x, v8f));
+#else
+      for (int k = 0; k < 8; ++k) dst[d + k] = half_to_float(h[d + k]);
+#endif
+    }
+  }
+}
+
+// exact rows (unrotated query q [G, D]): n rows of a [rows, D] slab at element stride st, ROWS at a time,
+// through the same score / softmax / value-sum code as packed tiles
+void rows_task(const Args& a, const char* k, const char* v, int64_t st, int64_t n, const float* q, float* m,
                float* l, float* acc, Scratch& w) {
-  const int64_t G = a.G, D = a.D, T = a.T;
-  float* s = w.s.data(); float* row = w.rows.data();
-  for (int64_t t0 = 0; t0 < n; t0 += T) {
-    const int64_t nb = std::min(T, n - t0), n8 = (nb + 7) / 8 * 8;
-    for (int64_t t = 0; t < n8; ++t) {
-      if (t < nb)
-        for (int64_t d = 0; d < D; ++d) row[d] = load(k, (t0 + t) * st + d, a.DTYPE);
-      for (int64_t g = 0; g < G; ++g) {
-        float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * row[d];
-        s[g * T + t] = t < nb ? dot : -INFINITY;
-      }
+  const int64_t G = a.G, D = a.D, es = a.DTYPE == 0 ? 4 : 2;
+  float* s = w.s.data(); float* rows = w.rows.data(); float* qs = w.qs.data(); float* tmp = w.tmp.data();
+  std::fill(w.qs.begin(), w.qs.end(), 0.f);
+  std::copy(q, q + G * D, qs);
+  for (int64_t r0 = 0; r0 < n; r0 += ROWS) {
+    const int64_t nb = std::min(ROWS, n - r0), n8 = (nb + 7) / 8 * 8;
+    for (int64_t r = 0; r < n8; ++r) {
+      if (r < nb) load_row(k + (r0 + r) * st * es, a.DTYPE, D, rows + r * D);
+      else std::fill(rows + r * D, rows + (r + 1) * D, 0.f);
     }
-    if (!softmax_step(s, G, n8, T, D, m, l, acc)) continue;
-    for (int64_t t = 0; t < nb; ++t) {
-      for (int64_t d = 0; d < D; ++d) row[d] = load(v, (t0 + t) * st + d, a.DTYPE);
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = s[g * T + t];
-        for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * row[d];
-      }
-    }
+    key_scores_all(rows, qs, n8, D, G, s, ROWS, w.red.data());
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t r = nb; r < n8; ++r) s[g * ROWS + r] = -INFINITY;
+    if (!softmax_step(s, G, n8, ROWS, D, m, l, acc)) continue;
+    for (int64_t r = 0; r < nb; ++r) load_row(v + (r0 + r) * st * es, a.DTYPE, D, rows + r * D);
+    std::fill(tmp, tmp + G * D, 0.f);
+    value_sums(rows, s, nb, D, G, ROWS, tmp);
+    for (int64_t x = 0; x < G * D; x += 8) storev(acc + x, loadv(acc + x) + loadv(tmp + x));
   }
 }
 
