@@ -207,6 +207,20 @@ def write_section(doc: Path, name: str, body: str) -> None:
     doc.write_text(text)
 
 
+def _measuring_args(argv: list[str]) -> list[str]:
+    """The arguments that change what is measured (``--json``/``--doc`` paths left out of the docs)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--json", "--doc"):
+            skip = True
+        elif not a.startswith(("--json=", "--doc=")):
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -235,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     if not args.no_doc:
-        cmd = "python tools/bench_cpu_serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        cmd = "python tools/bench_cpu_serving.py " + " ".join(
+            _measuring_args(argv if argv is not None else sys.argv[1:])
+        )
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
         unit = "" if args.cmd == "serve" else "milliseconds per call of one layer (median), "
         write_section(args.doc, args.cmd, f"Measured {stamp}, {unit}`{cmd}`:\n\n{table}")
