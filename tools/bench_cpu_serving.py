@@ -104,11 +104,17 @@ def _vllm_cpu_attention(bsz: int, ctx: int, g: torch.Generator) -> Callable[[], 
 
 
 def bench_ops(
-    batches: list[int], contexts: list[int], scheme_name: str = "kvarn_k4v2_g128", repeats: int = 10, slow: bool = True
+    batches: list[int],
+    contexts: list[int],
+    scheme_name: str = "kvarn_k4v2_g128",
+    repeats: int = 10,
+    slow: bool = True,
+    vllm_baseline: bool = True,
 ) -> list[dict[str, Any]]:
     """Milliseconds per decode call of one layer, per (batch, context) and method (see module doc).
 
-    ``slow=False`` skips the torch path and dequantize-then-SDPA (up to a second per call at 8K).
+    ``slow=False`` skips the torch path and dequantize-then-SDPA (up to a second per call at 8K);
+    ``vllm_baseline=False`` skips vLLM's CPU attention (importing vLLM takes seconds).
     """
     import torch.nn.functional as F
 
@@ -142,7 +148,7 @@ def bench_ops(
                 res["kvarn torch"] = _median_ms(torch_path, max(2, repeats // 4))
                 baseline = functools.partial(_dequant_sdpa, q, cache, table, tail_k, tail_v, tail, sc)
                 res["dequantize + SDPA"] = _median_ms(baseline, max(2, repeats // 4))
-            vllm_attn = _vllm_cpu_attention(bsz, ctx, g)
+            vllm_attn = _vllm_cpu_attention(bsz, ctx, g) if vllm_baseline else None
             if vllm_attn is not None:
                 res["vLLM CPU_ATTN bf16 KV"] = _median_ms(vllm_attn, repeats)
             for name, dt in (

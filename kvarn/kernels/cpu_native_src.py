@@ -218,6 +218,27 @@ void plane_channels(int64_t D, int32_t* idx) {
   }
 }
 
+// bits chosen at run time, once per block of rows (one compiled tile loop for every scheme)
+inline int64_t num_planes(int64_t bits) { return bits == 3 ? 2 : 1; }
+
+inline void unpack_rows_any(int64_t bits, const uint8_t* sec, int64_t T, int64_t D, int64_t r0, int64_t R, float* out) {
+  switch (bits) {
+    case 2: unpack_rows<2>(sec, T, D, r0, R, out); break;
+    case 3: unpack_rows<3>(sec, T, D, r0, R, out); break;
+    case 4: unpack_rows<4>(sec, T, D, r0, R, out); break;
+    default: unpack_rows<8>(sec, T, D, r0, R, out); break;
+  }
+}
+
+inline void plane_channels_any(int64_t bits, int64_t D, int32_t* idx) {
+  switch (bits) {
+    case 2: plane_channels<2>(D, idx); break;
+    case 3: plane_channels<3>(D, idx); break;
+    case 4: plane_channels<4>(D, idx); break;
+    default: plane_channels<8>(D, idx); break;
+  }
+}
+
 struct Scratch {
   std::vector<float> rows, qs, c, s, tmp, nat, ks, ko, kf, vs, vo, vf;
   std::vector<v8f> red;
@@ -340,16 +361,15 @@ inline void value_sums(const float* rows, const float* p, int64_t R, int64_t L, 
   }
 }
 
-template <int KB, int VB>
 void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t sink_n, const float* qr,
                 float* m, float* l, float* acc, Scratch& w) {
   const int64_t G = a.G, D = a.D, T = a.T;
-  const int64_t LK = Planes<KB>::N * D, LV = Planes<VB>::N * D;
+  const int64_t KB = a.KB, VB = a.VB, LK = num_planes(KB) * D, LV = num_planes(VB) * D;
   const bool log8 = a.LOG8 != 0;
   float* rows = w.rows.data(); float* qs = w.qs.data(); float* c = w.c.data(); float* s = w.s.data();
   float* tmp = w.tmp.data();
-  plane_channels<KB>(D, w.kidx.data());
-  plane_channels<VB>(D, w.vidx.data());
+  plane_channels_any(KB, D, w.kidx.data());
+  plane_channels_any(VB, D, w.vidx.data());
   std::fill(w.qs.begin(), w.qs.end(), 0.f);
   const int64_t record_bytes = a.VF + (log8 ? 1 : 2) * D;
   if (t0 < t1) {
@@ -374,7 +394,7 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
       for (int64_t x = 0; x < LK; ++x) { const int32_t d = w.kidx[x]; qs[g * LK + x] = q[d] * w.ks[d]; }
     }
     for (int64_t r0 = 0; r0 < T; r0 += ROWS) {  // blocks of rows stay in L1 as floats
-      unpack_rows<KB>(rec + a.KC, T, D, r0, ROWS, rows);
+      unpack_rows_any(KB, rec + a.KC, T, D, r0, ROWS, rows);
       key_scores_all(rows, qs, ROWS, LK, G, s + r0, T, w.red.data());
     }
     for (int64_t g = 0; g < G; ++g)
@@ -397,7 +417,7 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
     }
     std::fill(tmp, tmp + G * LV, 0.f);
     for (int64_t r0 = 0; r0 < T; r0 += ROWS) {
-      unpack_rows<VB>(rec + a.VC, T, D, r0, ROWS, rows);
+      unpack_rows_any(VB, rec + a.VC, T, D, r0, ROWS, rows);
       value_sums(rows, s + r0, ROWS, LV, G, T, tmp);
     }
     float* nat = w.nat.data();
@@ -407,28 +427,6 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
       #pragma omp simd
       for (int64_t d = 0; d < D; ++d) acc[g * D + d] += w.vf[d] * (nat[d] + c[g]);
     }
-  }
-}
-
-using TileFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, float*, float*,
-                        float*, Scratch&);
-
-template <int KB>
-TileFn pick_v(int64_t vb) {
-  switch (vb) {
-    case 2: return tiles_task<KB, 2>;
-    case 3: return tiles_task<KB, 3>;
-    case 4: return tiles_task<KB, 4>;
-    default: return tiles_task<KB, 8>;
-  }
-}
-
-TileFn pick(int64_t kb, int64_t vb) {
-  switch (kb) {
-    case 2: return pick_v<2>(vb);
-    case 3: return pick_v<3>(vb);
-    case 4: return pick_v<4>(vb);
-    default: return pick_v<8>(vb);
   }
 }
 
@@ -528,7 +526,6 @@ extern "C" int kvarn_decode(const Args* args) {
   if (const int bad = check_indices(a)) return bad;
   const int64_t B = a.B, H = a.H, G = a.G, D = a.D, S = a.SPLITS, P = S + 1, W = D + 2;
   std::vector<float> part((size_t)(B * H * P * G * W));  // per (b, h, part, g): m, l, acc[D]
-  const TileFn tiles = pick(a.KB, a.VB);
   #pragma omp parallel for schedule(dynamic, 1) num_threads((int)a.NTHREADS)
   for (int64_t task = 0; task < B * H * P; ++task) {
     thread_local Scratch w;
@@ -559,7 +556,7 @@ extern "C" int kvarn_decode(const Args* args) {
         } else {
           qr = q;
         }
-        tiles(a, b, h, t0, t1, sink_n, qr.data(), m.data(), l.data(), acc.data(), w);
+        tiles_task(a, b, h, t0, t1, sink_n, qr.data(), m.data(), l.data(), acc.data(), w);
       }
     }
     for (int64_t g = 0; g < G; ++g) {
