@@ -2,7 +2,9 @@
 
 Capacity: the KV tokens vLLM itself reports (blocks x block size) for the same KV memory
 (``VLLM_CPU_KVCACHE_SPACE`` GiB on CPU), for the embedded SmolLM2 (head_dim 64) and a tiny random
-Llama with head_dim 128 (written to a temporary folder). Throughput: greedy decode tokens per second
+Llama with head_dim 128 (written to a temporary folder). For kvarn dtypes the figure is net of the
+staging and sink pools (``max_num_seqs`` slots per layer, allocated before the KV cache and taken
+from its memory); ``pools_mib`` says how much they took. Throughput: greedy decode tokens per second
 after a ``--context``-token prompt, kvarn vs the default cache (CPU_ATTN on vllm-cpu), one run each;
 the same request with ``max_tokens=1`` is timed and subtracted (a warm-up request puts the prompt in
 vLLM's prefix cache first, so that time covers the last uncached chunk and the first token).
@@ -26,8 +28,24 @@ from typing import Any
 from kvarn.vllm.engine import cpu_engine, kv_tokens
 
 
-def capacity(dtypes: list[str], kv_gib: int) -> list[dict[str, Any]]:
-    """KV tokens per (model, dtype) for ``kv_gib`` GiB of KV memory."""
+def pools_mib(llm: Any) -> float:
+    """MiB of kvarn's staging and sink pools in this engine (0 for other dtypes)."""
+    from kvarn.schemes import get_preset
+    from kvarn.vllm.backend import pool_bytes
+    from kvarn.vllm.plugin import is_kvarn_dtype
+
+    cfg = llm.llm_engine.vllm_config
+    if not is_kvarn_dtype(cfg.cache_config.cache_dtype):
+        return 0.0
+    model = cfg.model_config
+    scheme = get_preset(cfg.cache_config.cache_dtype).scheme
+    heads = model.get_num_kv_heads(cfg.parallel_config)
+    per_layer = pool_bytes(scheme, heads, model.get_head_size(), model.dtype, cfg.scheduler_config.max_num_seqs)
+    return round(per_layer * model.get_num_layers(cfg.parallel_config) / 2**20, 2)
+
+
+def capacity(dtypes: list[str], kv_gib: int, max_num_seqs: int = 4) -> list[dict[str, Any]]:
+    """KV tokens per (model, dtype) for ``kv_gib`` GiB of KV memory, ``max_num_seqs`` pool slots."""
     from tqdm import tqdm
 
     from kvarn.models import resolve_model
@@ -42,8 +60,14 @@ def capacity(dtypes: list[str], kv_gib: int) -> list[dict[str, Any]]:
         }
         jobs = [(m, d) for m in models for d in dtypes]
         for label, dtype in tqdm(jobs, desc="engines"):
-            with cpu_engine(models[label], dtype, max_model_len=1024, max_num_seqs=4) as llm:
-                rows.append({"model": label, "kv_cache_dtype": dtype, "kv_tokens": kv_tokens(llm)})
+            with cpu_engine(models[label], dtype, max_model_len=1024, max_num_seqs=max_num_seqs) as llm:
+                row = {
+                    "model": label,
+                    "kv_cache_dtype": dtype,
+                    "kv_tokens": kv_tokens(llm),
+                    "pools_mib": pools_mib(llm),
+                }
+                rows.append(row)
     base = {r["model"]: r["kv_tokens"] for r in rows if r["kv_cache_dtype"] == "auto"}
     for r in rows:
         r["vs_default"] = round(r["kv_tokens"] / base[r["model"]], 3) if r["model"] in base else None
@@ -95,14 +119,15 @@ def main() -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("capacity", help="KV tokens vLLM reports for the same KV memory")
     c.add_argument("--kv-gib", type=int, default=1)
-    c.add_argument("--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128", "kvarn_k4v4_g128"])
+    c.add_argument("--max-num-seqs", type=int, default=4, help="running requests = kvarn pool slots per layer")
+    c.add_argument("--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g128_sink"])
     t = sub.add_parser("throughput", help="decode tokens/s at a given context, kvarn vs default")
     t.add_argument("--context", type=int, default=2048)
     t.add_argument("--new-tokens", type=int, default=32)
     t.add_argument("--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128"])
     args = parser.parse_args()
     if args.cmd == "capacity":
-        rows = capacity(args.dtypes, args.kv_gib)
+        rows = capacity(args.dtypes, args.kv_gib, args.max_num_seqs)
     else:
         rows = throughput(args.dtypes, args.context, args.new_tokens)
     print(json.dumps(rows, indent=1))
