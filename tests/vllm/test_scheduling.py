@@ -182,7 +182,7 @@ def crowd_run() -> dict[str, Any]:
     pools = 30 * pool_bytes(scheme, 3, 64, torch.bfloat16, 4)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     r: dict[str, Any] = {}
-    with _engine(kv_cache_memory_bytes=pools + 12 * page, speculative_config=spec) as llm:
+    with _engine(kv_cache_memory_bytes=pools + 12 * page, speculative_config=spec, disable_log_stats=False) as llm:
         r["blocks"] = int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
         r["together"] = _tokens(_generate(llm, _crowd(), max_tokens=CROWD_GEN))
         metrics = {m.name: m for m in llm.get_metrics()}
