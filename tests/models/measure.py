@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.formula:
         formula([n for n in a.schemes.split(",") if n.startswith("kvarn")])
         return 0
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(1)  # shared 2-core machines: one thread is also the fastest for the codec here
     names = [n for n in a.schemes.split(",") if n]
     with tempfile.TemporaryDirectory() as tmp:
         folder = save(build(gemma3_config(hidden=256, layers=6, window=512, heads=4), a.seed), Path(tmp))
