@@ -330,6 +330,50 @@ inline void key_scores(const float* rows, const float* qs, int64_t R, int64_t L,
   }
 }
 
+// scores straight from packed key codes (no float copy of the rows): rows 0..T-1, query heads
+// g0..g0+NG-1 whose plane-order queries are qs[g * L + x]; s[g * ld + t]
+template <int BITS, int NG>
+inline void packed_scores(const uint8_t* sec, int64_t T, int64_t D, const float* qs, int64_t L, int64_t g0, float* s,
+                          int64_t ld, v8f* red) {
+  const float* q0 = qs + g0 * L;
+  for (int64_t t8 = 0; t8 < T; t8 += 8) {
+    for (int r = 0; r < 8; ++r) {
+      v8f acc[NG];
+      for (int k = 0; k < NG; ++k) acc[k] = splat(0.f);
+      const uint8_t* plane = sec;
+      for (int pk = 0; pk < Planes<BITS>::N; ++pk) {
+        const int w = Planes<BITS>::W[pk], p = 8 / w, mask = (1 << w) - 1, shift = Planes<BITS>::SHIFT[pk];
+        const int64_t n = D / p;
+        const uint8_t* row = plane + (t8 + r) * n;
+        const float* qp = q0 + pk * D;
+        for (int64_t c = 0; c < n; c += 8) {
+          const v8i x = widen8(row + c);
+          for (int j = 0; j < p; ++j) {
+            const v8f v = __builtin_convertvector(((x >> (j * w)) & mask) << shift, v8f);
+            for (int k = 0; k < NG; ++k) acc[k] += v * loadv(qp + k * L + j * n + c);
+          }
+        }
+        plane += T * n;
+      }
+      for (int k = 0; k < NG; ++k) red[8 * k + r] = acc[k];
+    }
+    for (int k = 0; k < NG; ++k) storev(s + (g0 + k) * ld + t8, hsum8(red + 8 * k));
+  }
+}
+
+template <int BITS>
+inline void packed_scores_all(const uint8_t* sec, int64_t T, int64_t D, const float* qs, int64_t L, int64_t G, float* s,
+                              v8f* red) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: packed_scores<BITS, 1>(sec, T, D, qs, L, g0, s, T, red); break;
+      case 2: packed_scores<BITS, 2>(sec, T, D, qs, L, g0, s, T, red); break;
+      case 3: packed_scores<BITS, 3>(sec, T, D, qs, L, g0, s, T, red); break;
+      default: packed_scores<BITS, 4>(sec, T, D, qs, L, g0, s, T, red); break;
+    }
+  }
+}
+
 inline void key_scores_all(const float* rows, const float* qs, int64_t R, int64_t L, int64_t G, float* s, int64_t ld,
                            v8f* red) {
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
@@ -393,9 +437,11 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
       c[g] = cg;
       for (int64_t x = 0; x < LK; ++x) { const int32_t d = w.kidx[x]; qs[g * LK + x] = q[d] * w.ks[d]; }
     }
-    for (int64_t r0 = 0; r0 < T; r0 += ROWS) {  // blocks of rows stay in L1 as floats
-      unpack_rows_any(KB, rec + a.KC, T, D, r0, ROWS, rows);
-      key_scores_all(rows, qs, ROWS, LK, G, s + r0, T, w.red.data());
+    switch (KB) {
+      case 2: packed_scores_all<2>(rec + a.KC, T, D, qs, LK, G, s, w.red.data()); break;
+      case 3: packed_scores_all<3>(rec + a.KC, T, D, qs, LK, G, s, w.red.data()); break;
+      case 4: packed_scores_all<4>(rec + a.KC, T, D, qs, LK, G, s, w.red.data()); break;
+      default: packed_scores_all<8>(rec + a.KC, T, D, qs, LK, G, s, w.red.data()); break;
     }
     for (int64_t g = 0; g < G; ++g)
       for (int64_t t = 0; t < T; t += 8) storev(s + g * T + t, loadv(w.kf.data() + t) * (loadv(s + g * T + t) + c[g]));
