@@ -5,6 +5,8 @@ Nothing is downloaded: the configs are written here and the weights drawn from a
 * ``gemma3``: Gemma-3-like (``Gemma3ForCausalLM``): five sliding-window layers per full-attention
   layer, head_dim 256, one KV head, query_pre_attn_scalar 256.
 * ``llama``: Llama-like (``LlamaForCausalLM``): full attention only, GQA (4 query heads, 2 KV heads).
+* :func:`other_sliding_models`: Gemma-2-like (sliding and full layers alternate, head_dim 128)
+  and Mistral-like (every layer sliding), for the layer-type paths only.
 
 A folder for ``kvarn eval --model FOLDER`` (model plus tokenizer)::
 
@@ -19,7 +21,17 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 EOS = "<eos>"
 VOCAB = 257  # 256 byte symbols and <eos>
@@ -78,6 +90,20 @@ def build(config: Any, seed: int = 0) -> Any:
     torch.manual_seed(seed)
     cls = Gemma3ForCausalLM if isinstance(config, Gemma3TextConfig) else LlamaForCausalLM
     return cls(config).eval()
+
+
+def other_sliding_models(window: int = 40, seed: int = 0) -> list[Any]:
+    """A Gemma-2-like (4 layers alternating sliding/full, head_dim 128) and a Mistral-like model
+    (2 layers, all sliding, head_dim 64), both tiny, with random weights."""
+    common: dict[str, Any] = dict(vocab_size=VOCAB, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(seed)
+    gemma2 = Gemma2ForCausalLM(
+        Gemma2Config(**common, hidden_size=64, num_hidden_layers=4, head_dim=128, sliding_window=window)
+    )
+    mistral = MistralForCausalLM(
+        MistralConfig(**common, hidden_size=128, num_hidden_layers=2, head_dim=64, sliding_window=window)
+    )
+    return [gemma2.eval(), mistral.eval()]
 
 
 def save(model: Any, folder: Path) -> Path:

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from kvarn.codec import dequantize_tiles, quantize_tiles
 from kvarn.hf import KVarNCache
 from kvarn.schemes import Scheme
+from tests.models.builders import other_sliding_models
 from tests.models.conftest import WINDOW
 
 SCHEME = "kvarn_k4v2_g32"
@@ -178,3 +179,20 @@ def test_generate_and_bytes_per_layer_type(gemma: Any) -> None:
         total = sum(by_type[t]["bytes"] for t in ("full_attention", "sliding_attention"))
         assert by_type["all"]["bytes"] == pytest.approx(total)
         assert cache.bits_per_element() == pytest.approx(by_type["all"]["bits_per_element"])
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["gemma2-alternating", "mistral-all-sliding"])
+def test_other_sliding_layouts(index: int) -> None:
+    model = other_sliding_models()[index]
+    ids = ids_for(model, 150)
+    sizes = [30] * 5
+    ref = run(model, DynamicCache(config=model.config), ids, sizes)
+    assert torch.equal(run(model, KVarNCache("fp16", model.config), ids, sizes), ref)
+    torch.testing.assert_close(
+        run(model, KVarNCache(Identity(), model.config, quantize_sliding=True), ids, sizes), ref, atol=1e-5, rtol=1e-5
+    )
+    cache = KVarNCache(SCHEME, model.config)
+    run(model, cache, ids, sizes)
+    types = cache.by_layer_type()
+    assert types["sliding_attention"]["bits_per_element"] == 16.0
+    assert ("full_attention" in types) == (index == 0)  # Mistral-like: nothing quantized by default
