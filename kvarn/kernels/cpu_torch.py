@@ -118,8 +118,10 @@ def prefill(
     bsz = cu_seqlens_q.shape[0] - 1
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]
-    rec, _ = _read_tiles(p, block_table, num_tiles)
-    n = rec.shape[1]
+    n = int(num_tiles.max())
+    # segments of one request read the same tiles: dequantize each block once
+    ids = torch.where(torch.arange(n)[None, :] < num_tiles.long()[:, None], block_table[:, :n].long(), 0)
+    blocks, which = torch.unique(ids, return_inverse=True)  # which: [B, n] index into blocks
     ek, ev, _ = exact_rows(p, num_tiles)  # [B, H, R, D]; sink rows first (capacity S), then the tail
     r = ek.shape[2]
     s_cap = r - t
@@ -132,9 +134,10 @@ def prefill(
     src_k = [ek.transpose(1, 2).reshape(bsz * r, h, d), key.float()]
     src_v = [ev.transpose(1, 2).reshape(bsz * r, h, d), value.float()]
     if n:
-        dk, dv = dequantize_tiles(rec.reshape(-1, rec.shape[-1]), p.scheme, d)  # [B*n*H, T, D]
-        src_k.append(dk.view(bsz, n, h, t, d).transpose(2, 3).reshape(bsz * n * t, h, d))
-        src_v.append(dv.view(bsz, n, h, t, d).transpose(2, 3).reshape(bsz * n * t, h, d))
+        u = blocks.shape[0]
+        dk, dv = dequantize_tiles(p.cache[blocks].reshape(u * h, -1), p.scheme, d)  # [U*H, T, D]
+        src_k.append(dk.view(u, h, t, d).transpose(1, 2).reshape(u * t, h, d))
+        src_v.append(dv.view(u, h, t, d).transpose(1, 2).reshape(u * t, h, d))
     zero_row = torch.zeros(1, h, d)
     src_k.append(zero_row)
     src_v.append(zero_row)
@@ -145,7 +148,8 @@ def prefill(
     idx = torch.full((bsz, width), zero, dtype=torch.long)
     in_tiles = (pos >= ahead[:, None]) & (pos < tiles_end[:, None])
     j = (pos - ahead[:, None]).clamp_min(0)
-    idx = torch.where(in_tiles, tile_base + (b * n + j // t) * t + j % t, idx)
+    tile = which.gather(1, (j // t).clamp(max=max(n - 1, 0))) if n else torch.zeros_like(j)
+    idx = torch.where(in_tiles, tile_base + tile * t + j % t, idx)
     idx = torch.where(pos < sink[:, None], rows_base + b * r + pos, idx)  # sink tile, or copies over tile 0
     in_tail = (pos >= tiles_end[:, None]) & (pos < cached[:, None])
     idx = torch.where(in_tail, rows_base + b * r + s_cap + (pos - tiles_end[:, None]), idx)

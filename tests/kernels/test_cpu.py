@@ -263,3 +263,26 @@ def test_native_decode_is_the_same_on_any_number_of_threads() -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_prefill_segments_sharing_tiles() -> None:
+    """vLLM cuts a chunk into one sequence per tile (segments) that read the same blocks."""
+    sc = scheme("kvarn_k4v2_g32", 2)
+    pb = paged_batch(sc, [3 * 32 + 7], 1, 64, seed=9)
+    table = pb.block_table.expand(3, -1).contiguous()  # segments after tile 1, tile 2, and the tail
+    tiles = torch.tensor([1, 2, 3], dtype=torch.int32)
+    tails = torch.tensor([0, 0, 7], dtype=torch.int32)
+    rows = (pb.tail_k.expand(3, -1, -1, -1), pb.tail_v.expand(3, -1, -1, -1))
+    sinks = {"sink_k": pb.sink_k, "sink_v": pb.sink_v, "sink_lens": pb.sink_lens}
+    sinks.update(sink_slot=torch.zeros(3, dtype=torch.int32), sink_lens=pb.sink_lens.expand(3).contiguous())
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(9, n, 64, generator=g) for n in (2, 1, 1))
+    cu = torch.tensor([0, 4, 6, 9], dtype=torch.int32)
+    out = cpu.prefill_attention(q, k, v, cu, pb.cache, table, tiles, *rows, tails, sc, **sinks)  # type: ignore[arg-type]
+    refs = []
+    for i, ctx_len in enumerate([32, 64, 3 * 32 + 7]):
+        s, e = int(cu[i]), int(cu[i + 1])
+        kk = torch.cat([pb.context_k[0][:, :ctx_len], k[s:e].transpose(0, 1)], 1)
+        vv = torch.cat([pb.context_v[0][:, :ctx_len], v[s:e].transpose(0, 1)], 1)
+        refs.append(attention(q[s:e], kk, vv, causal_offset=ctx_len))
+    assert sqnr_db(torch.cat(refs), out) >= MIN_SQNR_DB
