@@ -16,7 +16,9 @@ import concurrent.futures
 import contextlib
 import importlib.metadata
 import io
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -151,6 +153,7 @@ def test_vllm_serve_answers_concurrent_requests(tmp_path: Path) -> None:
     import httpx
 
     from kvarn.models import resolve_model
+    from kvarn.schemes import get_scheme
 
     model = str(resolve_model("smollm2-135m"))
     with _server(model, tmp_path / "serve.log") as url:
@@ -169,8 +172,15 @@ def test_vllm_serve_answers_concurrent_requests(tmp_path: Path) -> None:
 
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
             answers = list(pool.map(ask, jobs))
-    log = (tmp_path / "serve.log").read_text()
-    assert "KVARN" in log or "kvarn" in log, "the server did not log the kvarn backend"
+    # the capacity vLLM logs is that of kvarn's pages (1 GiB over packed tiles of every layer and KV head,
+    # less any staging taken from it), well above what 16-bit pages hold
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    heads = cfg["num_hidden_layers"] * cfg["num_key_value_heads"]
+    packed = 2**30 // (heads * get_scheme("kvarn_k4v2_g128").tile_bytes(head_dim)) * 128
+    fp16 = 2**30 // (heads * 2 * 128 * head_dim * 2) * 128
+    logged = re.findall(r"KV cache size: ([\d,]+) tokens", (tmp_path / "serve.log").read_text())
+    assert logged and 3 * fp16 < int(logged[-1].replace(",", "")) <= packed, (logged, fp16, packed)
     for (path, _), r in zip(jobs, answers, strict=True):
         assert r.status_code == 200, f"{path}: HTTP {r.status_code} {r.text[:500]}"
         body = r.json()
