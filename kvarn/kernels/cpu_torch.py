@@ -21,6 +21,8 @@ from kvarn.codec.rotation import rotation_matrix
 from kvarn.codec.tiles import decode_records, dequantize_tiles
 from kvarn.kernels.cpu_args import Paged
 
+PREFILL_GROUPS = 4  # SDPA calls per prefill, sequences grouped by context length
+
 
 def exact_rows(p: Paged, num_tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unquantized rows each sequence attends: sink rows then tail rows, unrotated float32.
@@ -155,17 +157,25 @@ def prefill(
     idx = torch.where(in_tail, rows_base + b * r + s_cap + (pos - tiles_end[:, None]), idx)
     in_new = (pos >= cached[:, None]) & (pos < ctx[:, None])
     idx = torch.where(in_new, new_base + cu[:-1, None] + (pos - cached[:, None]), idx)
-    k_ws = torch.cat(src_k)[idx].transpose(1, 2)  # [B, H, L, D]
-    v_ws = torch.cat(src_v)[idx].transpose(1, 2)
-    lq = int(q_lens.max())
-    jq = torch.arange(lq)[None, :]
-    q_ok = jq < q_lens[:, None]  # [B, Lq]
-    q_idx = torch.where(q_ok, cu[:-1, None] + jq, 0)
-    q_pad = query.float()[q_idx].transpose(1, 2)  # [B, Hq, Lq, D]
-    allowed = pos[:, None, :] <= (cached[:, None, None] + jq[:, :, None])  # [B, Lq, L], causal
-    o = F.scaled_dot_product_attention(
-        q_pad, k_ws, v_ws, attn_mask=allowed[:, None], scale=p.sm_scale, enable_gqa=hq != h
-    )  # [B, Hq, Lq, D]
+    all_k, all_v, q_all = torch.cat(src_k), torch.cat(src_v), query.float()
     out = torch.empty(total, hq, d)
-    out[q_idx[q_ok]] = o.transpose(1, 2)[q_ok]
+    # sequences padded to the longest of their group: vLLM's segments of one chunk range from no
+    # context to all of it, so a few groups of similar lengths halve the padded work
+    order = torch.argsort(ctx)
+    for grp in order.tensor_split(min(PREFILL_GROUPS, bsz)):
+        w = int(ctx[grp].max())
+        k_ws = all_k[idx[grp, :w]].transpose(1, 2)  # [b, H, w, D]
+        v_ws = all_v[idx[grp, :w]].transpose(1, 2)
+        lq = int(q_lens[grp].max())
+        if lq == 0:
+            continue
+        jq = torch.arange(lq)[None, :]
+        q_ok = jq < q_lens[grp, None]  # [b, Lq]
+        q_idx = torch.where(q_ok, cu[grp, None] + jq, 0)
+        q_pad = q_all[q_idx].transpose(1, 2)  # [b, Hq, Lq, D]
+        allowed = pos[:, None, :w] <= (cached[grp, None, None] + jq[:, :, None])  # [b, Lq, w], causal
+        o = F.scaled_dot_product_attention(
+            q_pad, k_ws, v_ws, attn_mask=allowed[:, None], scale=p.sm_scale, enable_gqa=hq != h
+        )  # [b, Hq, Lq, D]
+        out[q_idx[q_ok]] = o.transpose(1, 2)[q_ok]
     return out
