@@ -7,10 +7,12 @@ One program serves one (sequence, KV head, split): the query heads of that KV he
 ``[BLOCK_G, D]`` block, so every packed tile is read once for all of them. A tile is streamed in
 sub-blocks of ``BT`` tokens: packed codes load as int32 words (``D * bits / 32`` per token row),
 unpack in registers and enter ``tl.dot`` as float16 (codes of up to 8 bits are exact there); the
-float side of each product is scaled per row and split into a float16 high and low part
-(:func:`split_halves`), so the products keep ~22 mantissa bits instead of TF32's 10. (float16,
-not bfloat16: Triton 3.9's interpreter computes bfloat16 dots on the raw bits, so bfloat16 could
-not be proven against the reference on CPU.) Unquantized tokens use three TF32 products. With ``k = (code * ks + ko) * kf`` (keys: scale and zero point
+float side of each product is scaled per row into [-1, 1] and rounded to float16
+(:func:`to_fp16_rows`): 11 mantissa bits on one operand, against TF32's 10 on both. (A second,
+low fp16 part measured 32-64 more registers per thread for the ``[16, D]`` operand every warp
+holds whole, and spills at head_dim 256. float16, not bfloat16: Triton 3.9's interpreter computes
+bfloat16 dots on the raw bits, so bfloat16 could not be proven against the reference on CPU.)
+Unquantized tokens use three TF32 products. With ``k = (code * ks + ko) * kf`` (keys: scale and zero point
 per channel, factor per token) the scores are ``kf[t] * ((q * ks) . code[t] + q . ko)``; with
 ``v = (code * vs + vo) * vf`` the output update is ``vf * ((p * vs) @ code + p . vo)``.
 Scores use base 2 (``sm_scale * log2(e)`` is folded into the query). The packed part of the
@@ -76,23 +78,15 @@ def load_offset(rec, idx, scale, LOG8: tl.constexpr):
 
 
 @triton.jit
-def split_halves(a):
-    """``a`` ``[M, K]`` float32 -> ``(hi, lo, scale)``: ``a ~= (hi + lo) * scale[:, None]``, hi/lo fp16.
+def to_fp16_rows(a):
+    """``a`` ``[M, K]`` float32 -> ``(h, scale)``: ``a ~= h * scale[:, None]``, ``h`` fp16 in [-1, 1].
 
-    Each row is first scaled into [-1, 1] (no fp16 overflow, whatever the magnitude), then split
-    into two fp16 parts: ~22 mantissa bits of ``a`` survive, against TF32's 10.
+    Scaling each row by its largest magnitude first means no fp16 overflow whatever the scales,
+    and 11 mantissa bits relative to the row's largest entry (TF32 keeps 10, on both operands).
     """
     scale = tl.max(tl.abs(a), axis=1)
     scale = tl.where(scale > 0, scale, 1.0)
-    an = a * (1.0 / scale)[:, None]
-    hi = an.to(tl.float16)
-    return hi, (an - hi.to(tl.float32)).to(tl.float16), scale
-
-
-@triton.jit
-def dot_halves(hi, lo, scale, b):
-    """``(hi + lo) * scale[:, None] @ b`` -> float32, ``b`` ``[K, N]`` fp16 holding exact values (codes)."""
-    return (tl.dot(hi, b) + tl.dot(lo, b)) * scale[:, None]
+    return (a * (1.0 / scale)[:, None]).to(tl.float16), scale
 
 
 @triton.jit
@@ -155,13 +149,13 @@ def attend_tiles(
         blk = tl.load(bt_row + i).to(tl.int64)
         rec = cache_ptr + blk * stride_cb + hk * stride_ch
         ks = load_positive(rec + KS, d, lut_ptr, LOG8)
-        qk_hi, qk_lo, qk_scale = split_halves(qr * ks[None, :])
+        qk, qk_scale = to_fp16_rows(qr * ks[None, :])
         qo = tl.sum(qr * load_offset(rec + KO, d, ks, LOG8)[None, :], axis=1)
         vf = load_positive(rec + VF, d, lut_ptr, LOG8)
         for t0 in range(0, T, BT):
             tt = t0 + tl.arange(0, BT)
             kc = tl.trans(load_code_block(rec + KC, t0, KB, BT, T, D).to(tl.float16))  # [D, BT]
-            s = dot_halves(qk_hi, qk_lo, qk_scale, kc) + qo[:, None]
+            s = tl.dot(qk, kc) * qk_scale[:, None] + qo[:, None]
             s = s * load_positive(rec + KF, tt, lut_ptr, LOG8)[None, :]
             if SINK_TOKENS > 0:
                 s = tl.where((i == 0) & (tt[None, :] < n_sink), float("-inf"), s)
@@ -169,30 +163,36 @@ def attend_tiles(
             vs = load_positive(rec + VS, tt, lut_ptr, LOG8)
             vo = load_offset(rec + VO, tt, vs, LOG8)
             vc = load_code_block(rec + VC, t0, VB, BT, T, D).to(tl.float16)  # [BT, D]
-            pv_hi, pv_lo, pv_scale = split_halves(p * vs[None, :])
-            pv = dot_halves(pv_hi, pv_lo, pv_scale, vc) + tl.sum(p * vo[None, :], axis=1)[:, None]
+            pw, pw_scale = to_fp16_rows(p * vs[None, :])
+            pv = tl.dot(pw, vc) * pw_scale[:, None] + tl.sum(p * vo[None, :], axis=1)[:, None]
             acc_r = acc_r * alpha[:, None] + pv * vf[None, :]
     return m, lsum, acc_r
 
 
 @triton.jit
 def attend_plain(
-    k_ptr, v_ptr, stride_t, n_keys, row_last, qs, m, lsum, acc_r, acc_p,
-    PT: tl.constexpr, D: tl.constexpr, ROTATE: tl.constexpr,
+    k_ptr, v_ptr, stride_t, n_keys, row_last, q_rows, qmask, qk_scale, m, lsum, acc_r, acc_p,
+    M: tl.constexpr, PT: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, ROTATE: tl.constexpr,
 ):  # fmt: skip
     """Attend ``n_keys`` unquantized, unrotated keys (rows ``stride_t`` apart at ``k_ptr``/``v_ptr``).
 
-    Query row ``r`` sees key ``j`` only when ``j <= row_last[r]`` (causal new tokens; ``NEVER``
-    otherwise). The values go to ``acc_p`` when ``ROTATE`` (merged after un-rotating ``acc_r``),
-    else straight into ``acc_r``. Returns ``(m, lsum, acc_r, acc_p)``.
+    The query (``q_rows`` ``[M, 1]`` pointers, masked by ``qmask``) is read in chunks of ``DC``
+    channels for the scores, so no ``[M, D]`` float32 dot operand is held whole (measured: at head
+    dim 256 that alone spilled). Query row ``r`` sees key ``j`` only when ``j <= row_last[r]``
+    (causal new tokens; ``NEVER`` otherwise). The values go to ``acc_p`` when ``ROTATE`` (merged
+    after un-rotating ``acc_r``), else straight into ``acc_r``. Returns ``(m, lsum, acc_r, acc_p)``.
     """
     d = tl.arange(0, D)
     for j0 in range(0, n_keys, PT):
         j = j0 + tl.arange(0, PT)
         valid = j < n_keys
-        k = tl.load(k_ptr + j[:, None] * stride_t + d[None, :], mask=valid[:, None], other=0.0)
-        s = dot_exact(qs, tl.trans(k))
-        s = tl.where(valid[None, :] & (j[None, :] <= row_last[:, None]), s, float("-inf"))
+        s = tl.zeros((M, PT), tl.float32)
+        for c0 in range(0, D, DC):
+            cc = c0 + tl.arange(0, DC)
+            qc = tl.load(q_rows + cc[None, :], mask=qmask, other=0.0).to(tl.float32)
+            kc = tl.load(k_ptr + j[:, None] * stride_t + cc[None, :], mask=valid[:, None], other=0.0)
+            s += dot_exact(qc, tl.trans(kc))
+        s = tl.where(valid[None, :] & (j[None, :] <= row_last[:, None]), s * qk_scale, float("-inf"))
         p, m, lsum, alpha = softmax_step(s, m, lsum)
         pv = dot_exact(p, tl.load(v_ptr + j[:, None] * stride_t + d[None, :], mask=valid[:, None], other=0.0))
         acc_r = acc_r * alpha[:, None]
@@ -257,23 +257,22 @@ def decode_kernel(
     # plain tokens after the tiles, in the first split (sink) and the last (tail); order is free
     # in an online softmax, and the tile loop then holds only the rotated query
     if (split == 0) | (split == S - 1):
-        qs = tl.load(q_rows + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * qk_scale
         no_limit = tl.full((BLOCK_G,), NEVER, tl.int32)
         if HAS_SINK:  # noqa: SIM102  (a constexpr, then a runtime condition)
             if split == 0:
                 sslot = slot_of(sink_slot_ptr, b, SINK_SLOT)
                 sink = sslot * stride_sb + hk * stride_sh
                 m, lsum, acc_r, acc_p = attend_plain(
-                    sink_k_ptr + sink, sink_v_ptr + sink, stride_st, n_sink, no_limit, qs, m, lsum, acc_r, acc_p,
-                    PT, D, ROTATE,
+                    sink_k_ptr + sink, sink_v_ptr + sink, stride_st, n_sink, no_limit, q_rows, gmask[:, None], qk_scale,
+                    m, lsum, acc_r, acc_p, BLOCK_G, PT, D, RK, ROTATE,
                 )  # fmt: skip
         if split == S - 1:
             tslot = slot_of(tail_slot_ptr, b, TAIL_SLOT)
             tail = tslot * stride_tb + hk * stride_th
             n_tail = tl.minimum(tl.maximum(tl.load(tail_len_ptr + b), 0), T)
             m, lsum, acc_r, acc_p = attend_plain(
-                tail_k_ptr + tail, tail_v_ptr + tail, stride_tt, n_tail, no_limit, qs, m, lsum, acc_r, acc_p,
-                PT, D, ROTATE,
+                tail_k_ptr + tail, tail_v_ptr + tail, stride_tt, n_tail, no_limit, q_rows, gmask[:, None], qk_scale,
+                m, lsum, acc_r, acc_p, BLOCK_G, PT, D, RK, ROTATE,
             )  # fmt: skip
 
     hq = hk * G + g

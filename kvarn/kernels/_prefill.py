@@ -78,26 +78,25 @@ def prefill_kernel(
             KB, VB, T, D, BT, LOG8, SINK_TOKENS, KC, VC, KS, KO, KF, VS, VO, VF,
         )  # fmt: skip
 
-        qs = tl.load(q_rows + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
         no_limit = tl.full((BLOCK_M,), NEVER, tl.int32)
         if HAS_SINK:
             sslot = slot_of(sink_slot_ptr, b, SINK_SLOT)
             sink = sslot * stride_sb + hk * stride_sh
             m, lsum, acc_r, acc_p = attend_plain(
-                sink_k_ptr + sink, sink_v_ptr + sink, stride_st, n_sink, no_limit, qs, m, lsum, acc_r, acc_p,
-                PT, D, ROTATE,
+                sink_k_ptr + sink, sink_v_ptr + sink, stride_st, n_sink, no_limit, q_rows, rmask[:, None], qk_scale,
+                m, lsum, acc_r, acc_p, BLOCK_M, PT, D, RK, ROTATE,
             )  # fmt: skip
         tslot = slot_of(tail_slot_ptr, b, TAIL_SLOT)
         tail = tslot * stride_tb + hk * stride_th
         n_tail = tl.minimum(tl.maximum(tl.load(tail_len_ptr + b), 0), T)
         m, lsum, acc_r, acc_p = attend_plain(
-            tail_k_ptr + tail, tail_v_ptr + tail, stride_tt, n_tail, no_limit, qs, m, lsum, acc_r, acc_p,
-            PT, D, ROTATE,
+            tail_k_ptr + tail, tail_v_ptr + tail, stride_tt, n_tail, no_limit, q_rows, rmask[:, None], qk_scale,
+            m, lsum, acc_r, acc_p, BLOCK_M, PT, D, RK, ROTATE,
         )  # fmt: skip
         new = q_start.to(tl.int64) * stride_kt + hk * stride_kh
         m, lsum, acc_r, acc_p = attend_plain(
-            k_ptr + new, v_ptr + new, stride_kt, tl.minimum(q_len, (mb + 1) * MT), tok, qs, m, lsum, acc_r, acc_p,
-            PT, D, ROTATE,
+            k_ptr + new, v_ptr + new, stride_kt, tl.minimum(q_len, (mb + 1) * MT), tok, q_rows, rmask[:, None],
+            qk_scale, m, lsum, acc_r, acc_p, BLOCK_M, PT, D, RK, ROTATE,
         )  # fmt: skip
 
         hq = hk * G + gh

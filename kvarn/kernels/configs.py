@@ -31,25 +31,32 @@ class KernelConfig:
 def store_configs(scheme: Scheme, head_dim: int) -> list[KernelConfig]:
     """Store kernel: one program per tile, streaming it through its workspace in chunks.
 
-    ``block_m`` is the tokens per row chunk (~1024 elements) and ``block_n`` the channels per
+    ``block_m`` is the tokens per row chunk (512 elements) and ``block_n`` the channels per
     column chunk (~2048 elements); the kernel reduces over tokens by row chunks and over channels
-    by column chunks. Measured with ``tools/compile_gate.py`` (sm_90, k4v2_g128, head_dim 128,
-    8 warps): rows of 8 take ~100 registers and no spills; rows of 16 hit ptxas' 128 and spill.
+    by column chunks. Measured with ``tools/compile_gate.py`` (k4v2_g128, 8 warps): row chunks of
+    1024 elements spilled 8-28 bytes on sm_90 at head_dim 64 and sm_80 at 256 (ptxas stops at 128
+    registers), of 2048 about 700 bytes; 512 compiles to ~100-128 registers without spills.
     """
     t, d = scheme.group_size, head_dim
-    rows, cols = min(t, max(1, 1024 // d)), min(d, max(1, 2048 // t))
+    rows, cols = min(t, max(1, 512 // d)), min(d, max(1, 2048 // t))
     return [KernelConfig(8, 1, rows, cols), KernelConfig(4, 1, rows, cols)]
 
 
 def decode_configs(scheme: Scheme, head_dim: int, group_q: int) -> list[KernelConfig]:
     """Decode attention: one program streams the tiles of one (sequence, KV head, split).
 
-    ``block_n`` is the sub-block of tile tokens unpacked at once (``BT``): 64 up to head_dim 128,
-    32 at 256, so the bf16 code block ``[BT, D]`` stays at 16 KiB and two or more programs fit on
-    an SM at head_dim 128 (the compile gate's table has the measured registers and occupancy).
+    ``block_n`` is the sub-block of tile tokens unpacked at once (``BT``). Compiled for sm_90
+    (k4v2_g128, bf16; ``python tools/compile_gate.py --only decode``), no spills in any: head_dim 64
+    4 warps, BT 64: 150 registers, 3 programs/SM; 128: 8 warps, BT 64: 125 registers, 2
+    programs/SM (4 warps, BT 32: 175, also 2); 256: 4 warps, BT 32: 255, 2 programs/SM (8 warps
+    reach no lower). Unmeasured on a GPU: the alternatives follow for ``bench_kernels --sweep``.
     """
-    bt = min(scheme.group_size, 64 if head_dim <= 128 else 32)
-    return [KernelConfig(4, 2, 16, bt), KernelConfig(4, 3, 16, bt), KernelConfig(8, 2, 16, bt)]
+    bt = min(scheme.group_size, 32 if head_dim > 128 else 64)
+    if head_dim <= 64:
+        return [KernelConfig(4, 2, 16, bt), KernelConfig(8, 2, 16, 2 * bt), KernelConfig(4, 1, 16, bt)]
+    if head_dim <= 128:
+        return [KernelConfig(8, 2, 16, bt), KernelConfig(4, 2, 16, bt // 2), KernelConfig(4, 1, 16, bt // 2)]
+    return [KernelConfig(4, 2, 16, bt), KernelConfig(4, 2, 16, bt // 2), KernelConfig(8, 1, 16, bt)]
 
 
 def dequant_configs(scheme: Scheme, head_dim: int) -> list[KernelConfig]:
@@ -58,17 +65,16 @@ def dequant_configs(scheme: Scheme, head_dim: int) -> list[KernelConfig]:
 
 
 def prefill_configs(head_dim: int) -> list[KernelConfig]:
-    """Prefill: one program per (block of query rows = tokens x query heads of one KV head).
+    """Prefill: one program per block of query rows (new tokens x query heads of one KV head).
 
-    ``block_m`` is rows per program (at least the group size, rounded up to a power of two, by the
-    launcher); ``block_n`` the tile sub-block ``BT`` as in decode. Rows shrink as head_dim grows
-    so the rotated query and two ``[block_m, D]`` float32 accumulators fit in registers.
+    ``block_m`` is rows per program (at least the group size rounded up to a power of two: the
+    launcher raises it); ``block_n`` the tile sub-block ``BT``. Compiled for sm_90 (k4v2_g128,
+    bf16), no spills: head_dim 64 and 128, 8 warps, 64 rows: 206 and 228 registers, 1 program/SM;
+    256, 4 warps, 16 rows: 255 registers, 2 programs/SM (32 rows spill at 256).
     """
-    if head_dim <= 64:
-        return [KernelConfig(4, 2, 64, 64), KernelConfig(4, 2, 32, 64)]
     if head_dim <= 128:
-        return [KernelConfig(4, 2, 32, 64), KernelConfig(8, 2, 64, 64)]
-    return [KernelConfig(8, 2, 16, 32), KernelConfig(8, 2, 32, 32)]
+        return [KernelConfig(8, 2, 64, 32), KernelConfig(8, 2, 32, 32), KernelConfig(4, 2, 16, 32)]
+    return [KernelConfig(4, 2, 16, 32), KernelConfig(4, 2, 16, 16)]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from kvarn.schemes import Scheme
 from ._reference import DEVICE, PagedBatch, attention, paged_batch, sqnr_db
 
 MIN_SQNR_DB = 40.0
-SMALL = KernelConfig(num_warps=4, num_stages=1, block_m=16, block_n=32)  # few interpreter steps
+SMALL = KernelConfig(num_warps=4, num_stages=1, block_m=64, block_n=32)  # few interpreter programs
 
 
 def _new_tokens(lens: list[int], hkv: int, group: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
