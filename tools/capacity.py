@@ -31,8 +31,8 @@ from kvarn.vllm.engine import cpu_engine, kv_tokens
 def pools_mib(llm: Any) -> float:
     """MiB of kvarn's staging and sink pools in this engine (0 for other dtypes)."""
     from kvarn.schemes import get_preset
-    from kvarn.vllm.backend import pool_bytes
     from kvarn.vllm.plugin import is_kvarn_dtype
+    from kvarn.vllm.pools import pool_bytes
 
     cfg = llm.llm_engine.vllm_config
     if not is_kvarn_dtype(cfg.cache_config.cache_dtype):
@@ -120,7 +120,9 @@ def main() -> None:
     c = sub.add_parser("capacity", help="KV tokens vLLM reports for the same KV memory")
     c.add_argument("--kv-gib", type=int, default=1)
     c.add_argument("--max-num-seqs", type=int, default=4, help="running requests = kvarn pool slots per layer")
-    c.add_argument("--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g128_sink"])
+    c.add_argument(
+        "--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g128_sink"]
+    )
     t = sub.add_parser("throughput", help="decode tokens/s at a given context, kvarn vs default")
     t.add_argument("--context", type=int, default=2048)
     t.add_argument("--new-tokens", type=int, default=32)

@@ -40,6 +40,7 @@ from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
 from kvarn.vllm import live
 from kvarn.vllm.forward import run_layer
 from kvarn.vllm.plugin import is_kvarn_dtype, staging_slots
+from kvarn.vllm.pools import POOLS, pool_bytes, reserve, sink_capacity
 from kvarn.vllm.sinks import SinkPool
 from kvarn.vllm.staging import StagingPool
 from kvarn.vllm.step import StepTensors, build_step
@@ -144,39 +145,6 @@ class KvarnAttentionBackend(AttentionBackend):
         )
 
 
-def sink_capacity(scheme: Scheme) -> int:
-    """Exact rows per sink slot: the whole first tile for a sink tile, else ``sink_tokens`` (0: no pool)."""
-    return scheme.group_size if scheme.sink_tile else scheme.sink_tokens
-
-
-def pool_bytes(scheme: Scheme, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_slots: int) -> int:
-    """Bytes of one layer's staging and sink pools: keys and values, ``num_slots`` slots each."""
-    rows = scheme.group_size + sink_capacity(scheme)
-    return 2 * num_slots * num_kv_heads * rows * head_dim * dtype.itemsize
-
-
-# bytes and layers of the pools this process allocated (for the start-up log)
-_POOLS: dict[str, int] = {"bytes": 0, "layers": 0, "slots": 0}
-
-
-def _reserve(config: VllmConfig, nbytes: int) -> None:
-    """Count ``nbytes`` of pools against the KV cache memory: an explicit ``kv_cache_memory_bytes``
-    shrinks by it (vLLM's profiling counts the allocated pools by itself otherwise)."""
-    _POOLS["bytes"] += nbytes
-    _POOLS["layers"] += 1
-    cache = config.cache_config
-    if cache.kv_cache_memory_bytes is None:
-        return
-    left = int(cache.kv_cache_memory_bytes) - nbytes
-    if left <= 0:
-        raise ValueError(
-            f"kv_cache_dtype={cache.cache_dtype!r}: the staging/sink pools for max_num_seqs="
-            f"{config.scheduler_config.max_num_seqs} need {_POOLS['bytes'] / 2**20:.1f} MiB so far, more than "
-            f"the KV cache memory left ({(left + nbytes) / 2**20:.1f} MiB); lower max_num_seqs or give more KV memory"
-        )
-    cache.kv_cache_memory_bytes = left
-
-
 class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
     """Plans staging and sink slots and builds the step's device tensors, once per step."""
 
@@ -201,8 +169,8 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
             self.scheme.name,
             f" and exact copies of {what}" if cap else "",
             slots,
-            _POOLS["bytes"] / 2**20,
-            _POOLS["layers"],
+            POOLS["bytes"] / 2**20,
+            POOLS["layers"],
         )
 
     def build(
@@ -295,7 +263,7 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         if cap:
             shape = (slots, num_kv_heads, cap, head_size)
             self.sink = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        _reserve(config, pool_bytes(self.scheme, num_kv_heads, head_size, dtype, slots))
+        reserve(config, pool_bytes(self.scheme, num_kv_heads, head_size, dtype, slots))
         live.install()
 
     def _layer_scheme(self, layer: Any) -> Scheme:

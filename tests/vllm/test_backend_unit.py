@@ -217,7 +217,8 @@ def test_registration_unknown_name_lists_presets() -> None:
 
 
 def test_page_bytes_and_pool_bytes() -> None:
-    from kvarn.vllm.backend import page_bytes, pool_bytes
+    from kvarn.vllm.backend import page_bytes
+    from kvarn.vllm.pools import pool_bytes
 
     s = Scheme(4, 2, 128)
     assert page_bytes(s, 64, 30) == s.tile_bytes(64) == 7296
@@ -245,7 +246,8 @@ def test_impl_and_builder_in_a_vllm_config(tmp_path: Any, monkeypatch: pytest.Mo
 
     from kvarn.codec import dequantize_tiles, quantize_tiles
     from kvarn.vllm import plugin
-    from kvarn.vllm.backend import KvarnAttentionImpl, KvarnMetadataBuilder, pool_bytes
+    from kvarn.vllm.backend import KvarnAttentionImpl, KvarnMetadataBuilder
+    from kvarn.vllm.pools import pool_bytes
     from kvarn.vllm.synthetic import write_config_only
 
     plugin.register()

@@ -182,7 +182,7 @@ def _net_kv_tokens(key_bits: int, value_bits: int, sink_tokens: int = 0) -> int:
     import torch
 
     from kvarn.schemes import Scheme
-    from kvarn.vllm.backend import pool_bytes
+    from kvarn.vllm.pools import pool_bytes
 
     scheme = Scheme(key_bits, value_bits, TILE, sink_tokens=sink_tokens)
     pools = 30 * pool_bytes(scheme, 3, 64, torch.bfloat16, 4)
@@ -212,8 +212,8 @@ def test_d_user_sink_tile_preset_served_by_name(
     from vllm.inputs import TokensPrompt
 
     from kvarn.schemes import Preset, Scheme, save_preset
-    from kvarn.vllm.backend import pool_bytes
     from kvarn.vllm.plugin import register_dtypes
+    from kvarn.vllm.pools import pool_bytes
 
     scheme = Scheme(3, 3, 128, sink_tile=True)
     save_preset(Preset("acme_k3v3_tuned", scheme), tmp_path / "acme.yaml")

@@ -175,7 +175,7 @@ def crowd_run() -> dict[str, Any]:
     import torch
 
     from kvarn.schemes import Scheme
-    from kvarn.vllm.backend import pool_bytes
+    from kvarn.vllm.pools import pool_bytes
 
     scheme = Scheme.from_name(_scheme_name())
     page = scheme.tile_bytes(64) * 3 * 30  # SmolLM2: 3 KV heads, 30 layers
