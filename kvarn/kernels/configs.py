@@ -47,15 +47,16 @@ def decode_configs(scheme: Scheme, head_dim: int, group_q: int) -> list[KernelCo
 
     ``block_n`` is the sub-block of tile tokens unpacked at once (``BT``). Compiled for sm_90
     (k4v2_g128, bf16; ``python tools/compile_gate.py --only decode``), no spills in any: head_dim 64
-    4 warps, BT 64: 150 registers, 3 programs/SM; 128: 8 warps, BT 64: 125 registers, 2
-    programs/SM (4 warps, BT 32: 175, also 2); 256: 4 warps, BT 32: 255, 2 programs/SM (8 warps
-    reach no lower). Unmeasured on a GPU: the alternatives follow for ``bench_kernels --sweep``.
+    4 warps, BT 64: 150 registers, 3 programs/SM; 128: 4 warps, BT 32: 175 registers, 2
+    programs/SM (168 and 3 with Triton 3.6; 8 warps, BT 64 spilled 8 bytes there); 256: 4 warps,
+    BT 32: 255, 2 programs/SM (8 warps reach no lower). Unmeasured on a GPU: the alternatives
+    follow for ``bench_kernels --sweep``.
     """
     bt = min(scheme.group_size, 32 if head_dim > 128 else 64)
     if head_dim <= 64:
         return [KernelConfig(4, 2, 16, bt), KernelConfig(8, 2, 16, 2 * bt), KernelConfig(4, 1, 16, bt)]
     if head_dim <= 128:
-        return [KernelConfig(8, 2, 16, bt), KernelConfig(4, 2, 16, bt // 2), KernelConfig(4, 1, 16, bt // 2)]
+        return [KernelConfig(4, 2, 16, bt // 2), KernelConfig(8, 1, 16, bt), KernelConfig(4, 1, 16, bt // 2)]
     return [KernelConfig(4, 2, 16, bt), KernelConfig(4, 2, 16, bt // 2), KernelConfig(8, 1, 16, bt)]
 
 
@@ -69,12 +70,15 @@ def prefill_configs(head_dim: int) -> list[KernelConfig]:
 
     ``block_m`` is rows per program (at least the group size rounded up to a power of two: the
     launcher raises it); ``block_n`` the tile sub-block ``BT``. Compiled for sm_90 (k4v2_g128,
-    bf16), no spills: head_dim 64 and 128, 8 warps, 64 rows: 206 and 228 registers, 1 program/SM;
-    256, 4 warps, 16 rows: 255 registers, 2 programs/SM (32 rows spill at 256).
+    bf16) with Triton 3.9 and 3.6, no spills: head_dim 64, 8 warps, 64 rows: 206 registers;
+    128, 8 warps, 32 rows: 252; 256, 4 warps, 16 rows, 1 stage: 255, 2 programs/SM (2 stages
+    spilled 20 bytes with Triton 3.6, 32 rows spilled at 256).
     """
-    if head_dim <= 128:
+    if head_dim <= 64:
         return [KernelConfig(8, 2, 64, 32), KernelConfig(8, 2, 32, 32), KernelConfig(4, 2, 16, 32)]
-    return [KernelConfig(4, 2, 16, 32), KernelConfig(4, 2, 16, 16)]
+    if head_dim <= 128:
+        return [KernelConfig(8, 2, 32, 32), KernelConfig(4, 2, 16, 32), KernelConfig(8, 2, 64, 32)]
+    return [KernelConfig(4, 1, 16, 32), KernelConfig(4, 1, 16, 16)]
 
 
 @dataclass(frozen=True)

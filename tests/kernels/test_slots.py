@@ -129,3 +129,30 @@ def test_pool_arguments_are_checked() -> None:
         decode_attention(*base, tail_slot=pools.tail_slot, **sink, sink_slot=pools.sink_slot[:1])
     with pytest.raises(KernelArgumentError, match="sink_slot without sink_k"):
         decode_attention(*base[:-1], scheme("kvarn_k4v2_g32"), tail_slot=pools.tail_slot, sink_slot=pools.sink_slot)
+
+
+def test_decode_and_prefill_do_not_synchronise_with_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``.item()``/``.tolist()``/``.cpu()``/``bool(tensor)`` in either op (decode: CUDA-graph safe)."""
+    s = scheme("kvarn_k4v2_g32_sink1")
+    pb = paged_batch(s, [2 * 32 + 3, 6], hkv=1, d=64, seed=11)
+    pools = to_pools(pb, s, spare=1)
+    q = torch.randn(2, 2, 64, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    expected = _decode(s, pb, q, pools, splits=2)
+    new, group = [3, 1], 2
+
+    def host_sync(*args: object, **kwargs: object) -> None:
+        raise AssertionError("host synchronisation")
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, host_sync)
+    out = _decode(s, pb, q, pools, splits=2)
+    g = torch.Generator().manual_seed(8)
+    nq, nk, nv = (torch.randn(sum(new), h, 64, generator=g).to(DEVICE) for h in (group, 1, 1))
+    cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=DEVICE)
+    prefill_attention(
+        nq, nk, nv, cu, pb.cache, pb.block_table, pb.num_tiles, pools.tail_k, pools.tail_v, pb.tail_lens, s,
+        tail_slot=pools.tail_slot, sink_k=pools.sink_k, sink_v=pools.sink_v, sink_lens=pb.sink_lens,
+        sink_slot=pools.sink_slot, max_query_len=max(new),
+    )  # fmt: skip
+    monkeypatch.undo()
+    assert torch.equal(out, expected)
