@@ -86,7 +86,13 @@ def _decode_check(sc: Scheme, lens: list[int], hkv: int, group: int, d: int, poo
 
 @pytest.mark.parametrize(
     "name",
-    ["kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k3v2_g32", "kvarn_k2v3_g32_rot-none_it0", "kvarn_k8v8_g32_rot-rh_s8"],
+    [
+        "kvarn_k4v2_g128",
+        "kvarn_k4v4_g64",
+        "kvarn_k3v2_g32",
+        "kvarn_k2v3_g32_rot-none_it0",
+        "kvarn_k8v8_g32_rot-rh_s8",
+    ],
 )
 @pytest.mark.parametrize("pooled", [False, True])
 def test_decode_schemes_mixed_lengths(name: str, pooled: bool) -> None:
@@ -94,6 +100,10 @@ def test_decode_schemes_mixed_lengths(name: str, pooled: bool) -> None:
     t = sc.group_size
     # several tiles and a tail, exactly one tile with a full tail, tail only
     _decode_check(sc, [3 * t + 5, 2 * t, 1], hkv=2, group=3, d=64, pooled=pooled)
+
+
+def test_decode_largest_tile() -> None:
+    _decode_check(scheme("kvarn_k3v8_g256_s8"), [256 + 5, 1], hkv=1, group=3, d=64, pooled=True)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
