@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=[90, 80])
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one variant may compile")
-    p.add_argument("--only", default="", help="keep variants whose name contains this text (e.g. 'decode')")
+    p.add_argument("--only", default="", help="keep variants whose name matches this regex (e.g. 'decode .* d256')")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     args = p.parse_args(argv)
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     archs = tuple(args.arch)
     variants = gate.full_variants(archs) if args.full else gate.quick_variants(archs)
-    variants = [v for v in variants if args.only in v.name]
+    variants = [v for v in variants if re.search(args.only, v.name)]
     t0 = time.time()
     rows = []
     for got in gate.compile_variants(variants, args.jobs, args.timeout):

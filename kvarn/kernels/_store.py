@@ -152,55 +152,113 @@ def _slice(slot, i, BY_ROWS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexp
 
 
 @triton.jit
+def _rotate_into(
+    x, stride_xt, rot_ptr, ws, T: tl.constexpr, D: tl.constexpr, RR: tl.constexpr, RC: tl.constexpr,
+    RK: tl.constexpr, ROTATE: tl.constexpr,
+):  # fmt: skip
+    """Write ``x @ R`` ([T, D] float32) into the workspace; returns max |x @ R|.
+
+    In ``[RR, RC]`` output blocks summed over ``RK`` input channels at a time: an fp32 ``tl.dot``
+    (FMA, not tensor cores) holds its whole K extent per thread, so a K of 128 spilled on sm_90.
+    """
+    amax = tl.zeros((1, 1), tl.float32)
+    d = tl.arange(0, D)
+    for i in range(T // RR):
+        r = i * RR + tl.arange(0, RR)[:, None]
+        if ROTATE:
+            k = tl.arange(0, RK)
+            for j in tl.static_range(D // RC):
+                c = j * RC + tl.arange(0, RC)[None, :]
+                xa = tl.load(x + r * stride_xt + k[None, :]).to(tl.float32)
+                xr = tl.dot(xa, tl.load(rot_ptr + k[:, None] * D + c), input_precision="ieee")
+                for kb in tl.static_range(1, D // RK):
+                    xa = tl.load(x + r * stride_xt + kb * RK + k[None, :]).to(tl.float32)
+                    xr = tl.dot(xa, tl.load(rot_ptr + (kb * RK + k)[:, None] * D + c), xr, input_precision="ieee")
+                tl.store(ws + r * D + c, xr)
+                amax = tl.maximum(amax, tl.max(tl.max(tl.abs(xr), axis=1, keep_dims=True), axis=0, keep_dims=True))
+        else:
+            xc = tl.load(x + r * stride_xt + d[None, :]).to(tl.float32)
+            tl.store(ws + r * D + d[None, :], xc)
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(xc), axis=1, keep_dims=True), axis=0, keep_dims=True))
+    return tl.sum(tl.sum(amax, axis=1), axis=0)
+
+
+@triton.jit
+def _full(slot, PER_TOKEN: tl.constexpr, T: tl.constexpr, D: tl.constexpr):
+    """A whole vector kept at ``slot``, shaped to broadcast over a chunk: ``[T, 1]`` or ``[1, D]``."""
+    if PER_TOKEN:  # noqa: SIM108  (constexpr branches)
+        v = tl.load(slot + tl.arange(0, T)[:, None])
+    else:
+        v = tl.load(slot + tl.arange(0, D)[None, :])
+    return v
+
+
+@triton.jit
 def _put(slot, v, PER_TOKEN: tl.constexpr, T: tl.constexpr, D: tl.constexpr):
-    """Keep vector ``v`` ([T, 1] per token or [1, D] per channel) at ``slot`` for every thread to slice."""
+    """Keep a chunk-shaped vector ``v`` (``[T, 1]`` or ``[1, D]``) at ``slot`` for the whole program."""
     tl.debug_barrier()  # nobody still reads the previous contents
     if PER_TOKEN:
         tl.store(slot + tl.arange(0, T)[:, None], v)
     else:
         tl.store(slot + tl.arange(0, D)[None, :], v)
-    tl.debug_barrier()  # visible to the whole program
+    tl.debug_barrier()  # visible to every thread
 
 
 @triton.jit
-def _floored_log_std(
-    ws, slot, other, BY_ROWS: tl.constexpr, T: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+def _put1(slot, v, N: tl.constexpr):
+    """Keep a flat ``[N]`` vector at ``slot`` for the whole program."""
+    tl.debug_barrier()
+    tl.store(slot + tl.arange(0, N), v)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _std(
+    ws, sliced, whole, out, BY_ROWS: tl.constexpr, T: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
     COLS: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):  # fmt: skip
-    """One Sinkhorn half-step: log(std + floor) of ``y = x * exp(-log_r - log_c)``, streamed in chunks.
+    """Std of ``y = x * exp(-log_r - log_c)`` into slot ``out``, streamed in chunks.
 
-    ``BY_ROWS``: per-channel std over tokens ``[1, D]`` (log_r read from ``slot``, log_c = ``other``);
-    else per-token std over channels ``[T, 1]`` (log_c from ``slot``, log_r = ``other``). Floor: 1e-3
-    times the mean std. Sums run in float64 and the std is rounded once, as torch's CPU ``std`` (a
-    float64 reduction) does; this is what makes the iterates match the reference bit for bit.
+    ``BY_ROWS``: per channel over tokens (``[1, D]``; log_r sliced per chunk, log_c whole); else
+    per token over channels (``[T, 1]``; log_c sliced, log_r whole). Sums run in float64 and the
+    std is rounded once, as torch's CPU ``std`` (a float64 reduction) does; this is what makes the
+    iterates match the reference bit for bit.
     """
     AXIS: tl.constexpr = 0 if BY_ROWS else 1
     N: tl.constexpr = T if BY_ROWS else D
-    M: tl.constexpr = D if BY_ROWS else T
     STEPS: tl.constexpr = T // ROWS if BY_ROWS else D // COLS
+    other = _full(whole, not BY_ROWS, T, D)
     if BY_ROWS:  # noqa: SIM108  (constexpr branches)
         acc = tl.zeros((1, D), tl.float64)
     else:
         acc = tl.zeros((T, 1), tl.float64)
     for i in range(STEPS):
-        y = _chunk(ws, i, BY_ROWS, T, D, ROWS, COLS) * _exp(-_slice(slot, i, BY_ROWS, ROWS, COLS) - other, LIBDEVICE)
+        y = _chunk(ws, i, BY_ROWS, T, D, ROWS, COLS) * _exp(-_slice(sliced, i, BY_ROWS, ROWS, COLS) - other, LIBDEVICE)
         acc += tl.sum(y.to(tl.float64), axis=AXIS, keep_dims=True)
     mean = acc / N
     acc = acc * 0.0
     for i in range(STEPS):
-        y = _chunk(ws, i, BY_ROWS, T, D, ROWS, COLS) * _exp(-_slice(slot, i, BY_ROWS, ROWS, COLS) - other, LIBDEVICE)
+        y = _chunk(ws, i, BY_ROWS, T, D, ROWS, COLS) * _exp(-_slice(sliced, i, BY_ROWS, ROWS, COLS) - other, LIBDEVICE)
         dev = y.to(tl.float64) - mean
         acc += tl.sum(dev * dev, axis=AXIS, keep_dims=True)
-    std = tl.sqrt(acc / N).to(tl.float32)
-    mean_std = (tl.sum(tl.sum(std.to(tl.float64), axis=1), axis=0) / M).to(tl.float32)
-    return _log(std + (STD_FLOOR * mean_std + TINY), LIBDEVICE)
+    _put(out, tl.sqrt(acc / N).to(tl.float32), not BY_ROWS, T, D)
+
+
+@triton.jit
+def _log_step(log_slot, std_slot, N: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """``log += log(std + floor)`` (floor: 1e-3 x the mean std), then centred: geometric mean 1."""
+    std = tl.load(std_slot + tl.arange(0, N))
+    mean_std = (tl.sum(std.to(tl.float64), axis=0) / N).to(tl.float32)
+    v = tl.load(log_slot + tl.arange(0, N)) + _log(std + (STD_FLOOR * mean_std + TINY), LIBDEVICE)
+    _put1(log_slot, v - (tl.sum(v.to(tl.float64), axis=0) / N).to(tl.float32), N)
 
 
 @triton.jit
 def _lo_hi(
-    ws, f_slot, PER_CHANNEL: tl.constexpr, T: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr
-):
-    """Min and max of ``x / f`` along the quantization axis: per channel ``[1, D]`` or per token ``[T, 1]``."""
+    ws, f_slot, lo_slot, hi_slot, PER_CHANNEL: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
+    ROWS: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    """Min and max of ``x / f`` along the quantization axis (per channel or per token) into two slots."""
     STEPS: tl.constexpr = T // ROWS if PER_CHANNEL else D // COLS
     if PER_CHANNEL:  # noqa: SIM108  (constexpr branches)
         lo = tl.full((1, D), float("inf"), tl.float32)
@@ -211,18 +269,22 @@ def _lo_hi(
         y = _chunk(ws, i, PER_CHANNEL, T, D, ROWS, COLS) / _slice(f_slot, i, PER_CHANNEL, ROWS, COLS)
         lo = tl.minimum(lo, tl.min(y, axis=1 - PER_CHANNEL, keep_dims=True))
         hi = tl.maximum(hi, tl.max(y, axis=1 - PER_CHANNEL, keep_dims=True))
-    return lo, hi
+    _put(lo_slot, lo, not PER_CHANNEL, T, D)
+    _put(hi_slot, hi, not PER_CHANNEL, T, D)
 
 
 @triton.jit
 def _sq_err(
-    ws, f_slot, s, q, o, QMAX: tl.constexpr, PER_CHANNEL: tl.constexpr, LOG8: tl.constexpr, T: tl.constexpr,
-    D: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    ws, f_slot, s_slot, q_slot, QMAX: tl.constexpr, PER_CHANNEL: tl.constexpr, LOG8: tl.constexpr,
+    T: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
 ):  # fmt: skip
-    """Squared error of the tile decoded with factors at ``f_slot`` and scales/zero points ``s, q, o``."""
+    """Squared error of the tile decoded with the factors, scales and zero points in the slots."""
+    STEPS: tl.constexpr = T // ROWS if PER_CHANNEL else D // COLS
+    s = _full(s_slot, not PER_CHANNEL, T, D)
+    q = _full(q_slot, not PER_CHANNEL, T, D)
+    o = q * s if LOG8 else q  # log8 zero points are integers z: offset z * s
     acc = tl.zeros((1, 1), tl.float64)
-    steps: tl.constexpr = T // ROWS if PER_CHANNEL else D // COLS
-    for i in range(steps):
+    for i in range(STEPS):
         x = _chunk(ws, i, PER_CHANNEL, T, D, ROWS, COLS)
         f = _slice(f_slot, i, PER_CHANNEL, ROWS, COLS)
         diff = (_codes(x / f, s, q, QMAX, LOG8) * s + o) * f - x
@@ -231,26 +293,26 @@ def _sq_err(
 
 
 @triton.jit
-def _rotate_into(
-    x, stride_xt, rot_ptr, ws, T: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, RC: tl.constexpr,
-    ROTATE: tl.constexpr,
-):  # fmt: skip
-    """Write ``x @ R`` ([T, D] float32) into the workspace by row chunks; returns max |x @ R|."""
-    amax = tl.zeros((1, 1), tl.float32)
-    d = tl.arange(0, D)
-    for i in range(T // ROWS):
-        r = i * ROWS + tl.arange(0, ROWS)[:, None]
-        xc = tl.load(x + r * stride_xt + d[None, :]).to(tl.float32)
-        if ROTATE:  # by blocks of RC output channels: a [D, RC] block of R at a time stays small
-            for j in tl.static_range(D // RC):
-                c = j * RC + tl.arange(0, RC)[None, :]
-                xr = tl.dot(xc, tl.load(rot_ptr + d[:, None] * D + c), input_precision="ieee")
-                tl.store(ws + r * D + c, xr)
-                amax = tl.maximum(amax, tl.max(tl.max(tl.abs(xr), axis=1, keep_dims=True), axis=0, keep_dims=True))
-        else:
-            tl.store(ws + r * D + d[None, :], xc)
-            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(xc), axis=1, keep_dims=True), axis=0, keep_dims=True))
-    return tl.sum(tl.sum(amax, axis=1), axis=0)
+def _params(lo, hi, lut_ptr, QMAX: tl.constexpr, LOG8: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Scales and zero points from the range: (s, q, s_raw, o_raw); q is the fp16 offset or log8's integer z."""
+    if LOG8:
+        need = tl.maximum((hi - lo) / QMAX, tl.abs(lo) / 127.0)
+        s_raw, s = _log8_store(need, lut_ptr, True, LIBDEVICE)
+        safe = tl.where(s > 0, s, 1.0)
+        q = tl.minimum(tl.maximum(tl.floor(lo / safe + 0.5), -128.0), 127.0)
+        q = tl.where(s > 0, q, 0.0)
+        o_raw = q.to(tl.int32) & 0xFF
+    else:
+        lo_h = tl.minimum(tl.maximum(lo, -FP16_MAX), FP16_MAX).to(tl.float16)
+        o_bits = lo_h.to(tl.int16, bitcast=True).to(tl.int32)
+        # a rounded-up lo would push the minimum below code 0: step one fp16 ulp towards -inf
+        down = tl.where(o_bits == 0, -32767, tl.where(o_bits > 0, o_bits - 1, o_bits + 1))
+        down = tl.where(o_bits == -32768, -32767, down)  # -0.0 steps to the smallest negative
+        o_bits = tl.where(lo_h.to(tl.float32) > lo, down, o_bits)
+        q = o_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        o_raw = o_bits & 0xFFFF
+        s_raw, s = _fp16_store((hi - q) / QMAX, True)
+    return s, q, s_raw, o_raw
 
 
 @triton.jit
@@ -265,7 +327,7 @@ def store_side_kernel(
     stride_cb,
     stride_ch,
     block_ptr,  # [N] int32/int64: destination block of tile n
-    work_ptr,  # [N * H, T * D + 3 * T + 2 * D] float32 workspace, one row per program
+    work_ptr,  # [N * H, T * D + 10 * (T + D)] float32 workspace, one row per program
     H,
     CODE_OFF: tl.constexpr,  # byte offsets of this side's sections inside a record
     SCALE_OFF: tl.constexpr,
@@ -281,112 +343,77 @@ def store_side_kernel(
     LIBDEVICE: tl.constexpr,  # float64 exp/log from libdevice (compiled); tl.math under the interpreter
     ROWS: tl.constexpr,  # tokens per row chunk
     COLS: tl.constexpr,  # channels per column chunk
-    RR: tl.constexpr,  # tokens per block of the rotation (>= 16: a tl.dot operand)
+    RR: tl.constexpr,  # tokens per block of the rotation (>= 16 when compiled: a tl.dot operand)
     RC: tl.constexpr,  # output channels per block of the rotation
+    RK: tl.constexpr,  # input channels summed per tl.dot of the rotation
 ):
     pid = tl.program_id(0)
     n = pid // H
     h = pid % H
-    ws = work_ptr + pid.to(tl.int64) * (T * D + 3 * T + 2 * D)  # the rotated tile [T, D], then vector slots
-    slot_r = ws + T * D  # three per-token slots of T floats
-    slot_c = slot_r + 3 * T  # two per-channel slots of D floats
-    x_in = x_ptr + n.to(tl.int64) * stride_xn + h * stride_xh
-    base = tl.sqrt_rn(tl.maximum(_rotate_into(x_in, stride_xt, rot_ptr, ws, T, D, RR, RC, ROTATE), MIN_MAGNITUDE))
-    tl.debug_barrier()  # the rotated tile is complete before any thread reads another's part
+    ws = work_ptr + pid.to(tl.int64) * (T * D + 10 * (T + D))  # the rotated tile [T, D], then 10 slots
+    L: tl.constexpr = T + D  # slot size
+    LOG_R = ws + T * D  # [T] log row factors
+    LOG_C = LOG_R + L  # [D] log column factors
+    F = LOG_C + L  # factors of the current iterate (per token for keys, per channel for values)
+    LO = F + L  # range, then scales and zero points of the current iterate (along the quantization axis)
+    HI = LO + L
+    S = HI + L
+    Q = S + L
+    BEST_F = Q + L  # the best iterate's factors, scales and zero points
+    BEST_S = BEST_F + L
+    BEST_Q = BEST_S + L
+    FN: tl.constexpr = T if PER_CHANNEL else D  # factor length
+    SN: tl.constexpr = D if PER_CHANNEL else T  # scale and zero point length
     QMAX: tl.constexpr = (1 << BITS) - 1
     PB: tl.constexpr = 1 if LOG8 else 2
-    # per channel (keys) the scales are [1, D] and the factor [T, 1]; per token (values) the reverse
-    f_slot = slot_r + T if PER_CHANNEL else slot_c + D
-
-    log_r = tl.zeros((T, 1), dtype=tl.float32)
-    log_c = tl.zeros((1, D), dtype=tl.float32)
-    if PER_CHANNEL:
-        best_s = tl.zeros((1, D), dtype=tl.float32)
-        best_f = tl.zeros((T, 1), dtype=tl.float32)
-    else:
-        best_s = tl.zeros((T, 1), dtype=tl.float32)
-        best_f = tl.zeros((1, D), dtype=tl.float32)
-    best_q = best_s
-    best_s_raw = best_s.to(tl.int32)
-    best_o_raw = best_s_raw
-    best_f_raw = best_f.to(tl.int32)
+    x_in = x_ptr + n.to(tl.int64) * stride_xn + h * stride_xh
+    base = tl.sqrt_rn(tl.maximum(_rotate_into(x_in, stride_xt, rot_ptr, ws, T, D, RR, RC, RK, ROTATE), MIN_MAGNITUDE))
+    _put1(LOG_R, tl.zeros((T,), tl.float32), T)  # iterate 0: no normalization (its barrier also
+    _put1(LOG_C, tl.zeros((D,), tl.float32), D)  # publishes the rotated tile)
+    blk = tl.load(block_ptr + n).to(tl.int64)
+    rec = cache_ptr + blk * stride_cb + h.to(tl.int64) * stride_ch
     best_err = tl.full((), float("inf"), tl.float32)
     for it in range(ITERS + 1):
-        if it > 0:  # one column step and one row step, factors centred (geometric mean 1)
-            _put(slot_r, log_r, True, T, D)
-            log_c = log_c + _floored_log_std(ws, slot_r, log_c, True, T, D, ROWS, COLS, LIBDEVICE)
-            log_c = log_c - _mean(log_c, 1, D)
-            _put(slot_c, log_c, False, T, D)
-            log_r = log_r + _floored_log_std(ws, slot_c, log_r, False, T, D, ROWS, COLS, LIBDEVICE)
-            log_r = log_r - _mean(log_r, 0, T)
-        if PER_CHANNEL:  # noqa: SIM108  (constexpr branches)
-            fv = _exp(log_r, LIBDEVICE) * base
-        else:
-            fv = _exp(log_c, LIBDEVICE) * base
+        if it > 0:  # one column step and one row step
+            _std(ws, LOG_R, LOG_C, LO, True, T, D, ROWS, COLS, LIBDEVICE)
+            _log_step(LOG_C, LO, D, LIBDEVICE)
+            _std(ws, LOG_C, LOG_R, LO, False, T, D, ROWS, COLS, LIBDEVICE)
+            _log_step(LOG_R, LO, T, LIBDEVICE)
+        fv = _exp(tl.load((LOG_R if PER_CHANNEL else LOG_C) + tl.arange(0, FN)), LIBDEVICE) * base
         if LOG8:
             f_raw, f = _log8_store(fv, lut_ptr, False, LIBDEVICE)
         else:
             f_raw, f = _fp16_store(fv, False)
         f = tl.maximum(f, 1e-30)
-        _put(f_slot, f, PER_CHANNEL, T, D)
-        lo, hi = _lo_hi(ws, f_slot, PER_CHANNEL, T, D, ROWS, COLS)
-        if LOG8:
-            need = tl.maximum((hi - lo) / QMAX, tl.abs(lo) / 127.0)
-            s_raw, s = _log8_store(need, lut_ptr, True, LIBDEVICE)
-            safe = tl.where(s > 0, s, 1.0)
-            q = tl.minimum(tl.maximum(tl.floor(lo / safe + 0.5), -128.0), 127.0)
-            q = tl.where(s > 0, q, 0.0)  # the integer zero point z
-            o = q * s
-            o_raw = q.to(tl.int32) & 0xFF
-        else:
-            lo_h = tl.minimum(tl.maximum(lo, -FP16_MAX), FP16_MAX).to(tl.float16)
-            o_bits = lo_h.to(tl.int16, bitcast=True).to(tl.int32)
-            # a rounded-up lo would push the minimum below code 0: step one fp16 ulp towards -inf
-            down = tl.where(o_bits == 0, -32767, tl.where(o_bits > 0, o_bits - 1, o_bits + 1))
-            down = tl.where(o_bits == -32768, -32767, down)  # -0.0 steps to the smallest negative
-            o_bits = tl.where(lo_h.to(tl.float32) > lo, down, o_bits)
-            o = o_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            o_raw = o_bits & 0xFFFF
-            s_raw, s = _fp16_store((hi - o) / QMAX, True)
-            q = o
-        err = _sq_err(ws, f_slot, s, q, o, QMAX, PER_CHANNEL, LOG8, T, D, ROWS, COLS)
-        better = (err < best_err) | (it == 0)
-        best_s = tl.where(better, s, best_s)
-        best_q = tl.where(better, q, best_q)
-        best_f = tl.where(better, f, best_f)
-        best_s_raw = tl.where(better, s_raw, best_s_raw)
-        best_o_raw = tl.where(better, o_raw, best_o_raw)
-        best_f_raw = tl.where(better, f_raw, best_f_raw)
-        best_err = tl.where(better, err, best_err)
+        _put1(F, f, FN)
+        _lo_hi(ws, F, LO, HI, PER_CHANNEL, T, D, ROWS, COLS)
+        s, q, s_raw, o_raw = _params(
+            tl.load(LO + tl.arange(0, SN)), tl.load(HI + tl.arange(0, SN)), lut_ptr, QMAX, LOG8, LIBDEVICE
+        )
+        _put1(S, s, SN)
+        _put1(Q, q, SN)
+        err = _sq_err(ws, F, S, Q, QMAX, PER_CHANNEL, LOG8, T, D, ROWS, COLS)
+        if (err < best_err) | (it == 0):  # the raw parameters go straight into the record
+            best_err = err
+            _write_params(rec + SCALE_OFF, s_raw, tl.arange(0, SN), PB)
+            _write_params(rec + OFFSET_OFF, o_raw, tl.arange(0, SN), PB)
+            _write_params(rec + FACTOR_OFF, f_raw, tl.arange(0, FN), PB)
+            _put1(BEST_F, f, FN)
+            _put1(BEST_S, s, SN)
+            _put1(BEST_Q, q, SN)
 
     # the codes of the best iterate, recomputed from its parameters (same operations, same codes)
-    if PER_CHANNEL:
-        _put(slot_r + 2 * T, best_f, True, T, D)
-    else:
-        _put(slot_r + T, best_s, True, T, D)
-        _put(slot_r + 2 * T, best_q, True, T, D)
-    blk = tl.load(block_ptr + n).to(tl.int64)
-    rec = cache_ptr + blk * stride_cb + h.to(tl.int64) * stride_ch
     for i in range(T // ROWS):
         x = _chunk(ws, i, True, T, D, ROWS, COLS)
         if PER_CHANNEL:
-            codes = _codes(x / _slice(slot_r + 2 * T, i, True, ROWS, COLS), best_s, best_q, QMAX, LOG8)
+            f = _slice(BEST_F, i, True, ROWS, COLS)
+            codes = _codes(x / f, _full(BEST_S, False, T, D), _full(BEST_Q, False, T, D), QMAX, LOG8)
         else:
-            s_i = _slice(slot_r + T, i, True, ROWS, COLS)
-            codes = _codes(x / best_f, s_i, _slice(slot_r + 2 * T, i, True, ROWS, COLS), QMAX, LOG8)
+            s_i = _slice(BEST_S, i, True, ROWS, COLS)
+            codes = _codes(x / _full(BEST_F, False, T, D), s_i, _slice(BEST_Q, i, True, ROWS, COLS), QMAX, LOG8)
         codes = codes.to(tl.int32)
         if BITS == 3:  # planes [2, 1]: low two bits, then the high bit
             _write_plane(rec + CODE_OFF + i * ROWS * D // 4, codes & 3, 2, ROWS, D)
             _write_plane(rec + CODE_OFF + T * D // 4 + i * ROWS * D // 8, (codes >> 2) & 1, 1, ROWS, D)
         else:
             _write_plane(rec + CODE_OFF + i * ROWS * D * BITS // 8, codes, BITS, ROWS, D)
-    t = tl.arange(0, T)[:, None]
-    d = tl.arange(0, D)[None, :]
-    if PER_CHANNEL:
-        _write_params(rec + SCALE_OFF, best_s_raw, d, PB)
-        _write_params(rec + OFFSET_OFF, best_o_raw, d, PB)
-        _write_params(rec + FACTOR_OFF, best_f_raw, t, PB)
-    else:
-        _write_params(rec + SCALE_OFF, best_s_raw, t, PB)
-        _write_params(rec + OFFSET_OFF, best_o_raw, t, PB)
-        _write_params(rec + FACTOR_OFF, best_f_raw, d, PB)

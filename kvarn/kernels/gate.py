@@ -42,9 +42,8 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 from triton.runtime.jit import JITFunction
 
-from kvarn.kernels import ops
+from kvarn.kernels._gate_variants import Variant, full_variants, launch, quick_variants
 from kvarn.kernels._store import store_side_kernel
-from kvarn.schemes import BUILTINS, get_scheme
 
 
 @dataclass(frozen=True)
@@ -65,87 +64,6 @@ ARCHS = {
 }
 
 __all__ = ["ARCHS", "Row", "Variant", "check_row", "compile_variants", "full_variants", "quick_variants"]
-
-HEAD_DIMS = (64, 128, 256)
-GROUPS = (1, 4, 7, 8)  # query heads per KV head; 7 is not a power of two
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-KV_HEADS = 8
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One launcher call to compile: op (store, decode, prefill), scheme, shapes, query dtype, arch."""
-
-    arch: int
-    op: str
-    scheme: str
-    head_dim: int
-    dtype: str = "bf16"
-    group: int = 1  # decode/prefill: query heads per KV head
-    splits: int = 1  # decode: split-K factor (> 1 also compiles the split reduction)
-
-    @property
-    def name(self) -> str:
-        short = self.scheme.removeprefix("kvarn_")
-        extra = "" if self.op == "store" else f" g{self.group}" + (f" s{self.splits}" if self.op == "decode" else "")
-        return f"{self.op} {short} d{self.head_dim} {self.dtype}{extra}"
-
-
-def full_variants(archs: tuple[int, ...] = (90, 80)) -> list[Variant]:
-    """Every built-in preset x head_dim 64/128/256 x groups 1/4/7/8 x fp16/bf16 x arch; decode split and not."""
-    out = []
-    for arch in archs:
-        for name in BUILTINS:
-            for d in HEAD_DIMS:
-                for dt in DTYPES:
-                    out.append(Variant(arch, "store", name, d, dt))
-                    for g in GROUPS:
-                        out += [Variant(arch, "decode", name, d, dt, g, s) for s in (1, 4)]
-                        out.append(Variant(arch, "prefill", name, d, dt, g))
-    return out
-
-
-def quick_variants(archs: tuple[int, ...] = (90, 80)) -> list[Variant]:
-    """Each kernel at each head_dim on each arch (the subset ``make test`` runs)."""
-    out = []
-    for arch in archs:
-        for d in HEAD_DIMS:
-            out += [
-                Variant(arch, "store", "kvarn_k4v2_g128", d, "bf16"),
-                Variant(arch, "decode", "kvarn_k4v2_g128", d, "bf16", 7, 1),
-                Variant(arch, "decode", "kvarn_k4v2_g128", d, "fp16", 4, 4),
-                Variant(arch, "prefill", "kvarn_k4v2_g128", d, "bf16", 4),
-            ]
-    return out
-
-
-def launch(v: Variant) -> None:
-    """Call the launcher of ``v.op`` with small CPU tensors shaped like a serving step."""
-    scheme, d, dt, h = get_scheme(v.scheme), v.head_dim, DTYPES[v.dtype], KV_HEADS
-    t, bsz, tiles = scheme.group_size, 2, 3
-    i32 = torch.int32
-    if v.op == "store":
-        x = torch.zeros(bsz, h, t, d, dtype=dt)
-        cache = torch.zeros(bsz, h, scheme.tile_bytes(d), dtype=torch.uint8)
-        ops.store_tiles(x, x, cache, torch.arange(bsz, dtype=i32), scheme)
-        return
-    cache = torch.zeros(bsz * tiles, h, scheme.tile_bytes(d), dtype=torch.uint8)
-    table = torch.arange(bsz * tiles, dtype=i32).view(bsz, tiles)
-    num_tiles = torch.full((bsz,), tiles, dtype=i32)
-    tail = torch.zeros(bsz, h, t, d, dtype=dt)
-    tail_lens = torch.full((bsz,), 5, dtype=i32)
-    hq = h * v.group
-    if v.op == "decode":
-        q = torch.zeros(bsz, hq, d, dtype=dt)
-        ops.decode_attention(q, cache, table, num_tiles, tail, tail, tail_lens, scheme, num_splits=v.splits)
-    elif v.op == "prefill":
-        n = 3
-        q = torch.zeros(bsz * n, hq, d, dtype=dt)
-        k = torch.zeros(bsz * n, h, d, dtype=dt)
-        cu = torch.arange(0, bsz * n + 1, n, dtype=i32)
-        ops.prefill_attention(q, k, k, cu, cache, table, num_tiles, tail, tail, tail_lens, scheme)
-    else:
-        raise ValueError(f"unknown op {v.op!r}; allowed: store, decode, prefill")
 
 
 @dataclass

@@ -118,9 +118,10 @@ def store_tiles(
     block_ids = block_ids.contiguous()
     # each program streams its rotated tile and a few vectors through its own workspace row (L1/L2
     # resident) instead of holding [T, D] float32 in registers; both sides reuse it (same stream)
-    work = torch.empty(n * h, t * d + 3 * t + 2 * d, dtype=torch.float32, device=dev)
-    rows, cols = cfg.block_m, cfg.block_n
+    work = torch.empty(n * h, t * d + 10 * (t + d), dtype=torch.float32, device=dev)
     compiled = isinstance(store_side_kernel, triton.runtime.JITFunction)  # False under TRITON_INTERPRET=1
+    # chunks bound registers on a GPU; the interpreter (numpy) is fastest with one chunk per pass
+    rows, cols = (cfg.block_m, cfg.block_n) if compiled or config else (t, d)
     if t % rows or d % cols:
         raise KernelArgumentError(f"store config block_m={rows}, block_n={cols} must divide tile {t} x {d}")
     sides = (
@@ -155,10 +156,11 @@ def store_tiles(
             LIBDEVICE=compiled,
             ROWS=rows,
             COLS=cols,
-            # rotation in [16, 32] blocks when compiled (registers); whole under the interpreter, whose
-            # numpy matmul then rounds exactly like the reference's x @ R (a blocked one does not)
+            # rotation in [16, 32] blocks over 16 channels at a time when compiled (registers); whole
+            # under the interpreter, whose numpy matmul then rounds exactly like the reference's x @ R
             RR=min(t, 16) if compiled else t,
             RC=min(d, 32) if compiled else d,
+            RK=16 if compiled else d,
             enable_fp_fusion=False,  # the reference rounds every multiply and add separately
             **cfg.launch_kwargs(),
         )

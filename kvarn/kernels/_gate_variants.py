@@ -1,0 +1,112 @@
+"""The kernel variants the compile gate (:mod:`kvarn.kernels.gate`) builds, and how it launches each.
+
+A variant is one call of a real launcher in :mod:`kvarn.kernels.ops` with small CPU tensors shaped
+like a serving step (8 KV heads, 2 sequences of 3 packed tiles and a partial tail); under the
+gate's stand-in driver every kernel that call launches is compiled instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvarn.kernels import ops
+from kvarn.schemes import BUILTINS, get_scheme
+
+HEAD_DIMS = (64, 128, 256)
+GROUPS = (1, 4, 7, 8)  # query heads per KV head; 7 is not a power of two
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+KV_HEADS = 8
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One launcher call to compile: arch, op (store, decode, prefill), scheme, head_dim, query dtype.
+
+    ``pool``: decode/prefill read the staging tail from a slot-indexed pool (``tail_slot``, the
+    vLLM path, a kernel specialization of its own) rather than per sequence.
+    """
+
+    arch: int
+    op: str
+    scheme: str
+    head_dim: int
+    dtype: str = "bf16"
+    group: int = 1  # decode/prefill: query heads per KV head
+    splits: int = 1  # decode: split-K factor
+    pool: bool = True
+
+    @property
+    def name(self) -> str:
+        short = self.scheme.removeprefix("kvarn_")
+        extra = ""
+        if self.op != "store":
+            extra = f" g{self.group}" + (f" s{self.splits}" if self.op == "decode" else "")
+            extra += "" if self.pool else " per-seq"
+        return f"{self.op} {short} d{self.head_dim} {self.dtype}{extra}"
+
+
+def full_variants(archs: tuple[int, ...] = (90, 80)) -> list[Variant]:
+    """Every built-in preset x head_dim 64/128/256 x query groups 1/4/7/8 x fp16/bf16 x arch.
+
+    Decode with and without split-K; decode and prefill read the tail pool by slot (the vLLM path)
+    at every group, and per sequence at group 1.
+    """
+    out = []
+    for arch in archs:
+        for name in BUILTINS:
+            for d in HEAD_DIMS:
+                for dt in DTYPES:
+                    out.append(Variant(arch, "store", name, d, dt))
+                    for g in GROUPS:
+                        out += [Variant(arch, "decode", name, d, dt, g, s) for s in (1, 4)]
+                        out.append(Variant(arch, "prefill", name, d, dt, g))
+                    out.append(Variant(arch, "decode", name, d, dt, 1, 1, pool=False))
+                    out.append(Variant(arch, "prefill", name, d, dt, 1, pool=False))
+    return out
+
+
+def quick_variants(archs: tuple[int, ...] = (90, 80)) -> list[Variant]:
+    """Each kernel at each head_dim on each arch (the subset ``make test`` runs)."""
+    out = []
+    for arch in archs:
+        for d in HEAD_DIMS:
+            out += [
+                Variant(arch, "store", "kvarn_k4v2_g128", d, "bf16"),
+                Variant(arch, "decode", "kvarn_k4v2_g128", d, "bf16", 7, 1),
+                Variant(arch, "decode", "kvarn_k4v2_g128", d, "fp16", 4, 4, pool=False),
+                Variant(arch, "prefill", "kvarn_k4v2_g128", d, "bf16", 4),
+            ]
+    return out
+
+
+def launch(v: Variant) -> None:
+    """Call the launcher of ``v.op`` with small CPU tensors shaped like a serving step."""
+    scheme, d, dt, h = get_scheme(v.scheme), v.head_dim, DTYPES[v.dtype], KV_HEADS
+    t, bsz, tiles = scheme.group_size, 2, 3
+    i32 = torch.int32
+    if v.op == "store":
+        x = torch.zeros(bsz, h, t, d, dtype=dt)
+        cache = torch.zeros(bsz, h, scheme.tile_bytes(d), dtype=torch.uint8)
+        ops.store_tiles(x, x, cache, torch.arange(bsz, dtype=i32), scheme)
+        return
+    cache = torch.zeros(bsz * tiles, h, scheme.tile_bytes(d), dtype=torch.uint8)
+    table = torch.arange(bsz * tiles, dtype=i32).view(bsz, tiles)
+    num_tiles = torch.full((bsz,), tiles, dtype=i32)
+    tail = torch.zeros(bsz + 1 if v.pool else bsz, h, t, d, dtype=dt)
+    tail_lens = torch.full((bsz,), 5, dtype=i32)
+    kw: dict[str, Any] = {"tail_slot": torch.arange(1, bsz + 1, dtype=i32)} if v.pool else {}
+    hq = h * v.group
+    if v.op == "decode":
+        q = torch.zeros(bsz, hq, d, dtype=dt)
+        ops.decode_attention(q, cache, table, num_tiles, tail, tail, tail_lens, scheme, num_splits=v.splits, **kw)
+    elif v.op == "prefill":
+        n = 3
+        q = torch.zeros(bsz * n, hq, d, dtype=dt)
+        k = torch.zeros(bsz * n, h, d, dtype=dt)
+        cu = torch.arange(0, bsz * n + 1, n, dtype=i32)
+        ops.prefill_attention(q, k, k, cu, cache, table, num_tiles, tail, tail, tail_lens, scheme, **kw)
+    else:
+        raise ValueError(f"unknown op {v.op!r}; allowed: store, decode, prefill")

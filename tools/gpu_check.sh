@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# One-shot GPU check of kvarn: the GPU-marked tests, then `tools/bench_kernels.py --quick`, and the
+# measured table written into docs/benchmarks.md (GPU, versions, date, command). Under 8 minutes on
+# one H100/H200 with the machine's own torch and Triton (written for torch 2.11 + Triton 3.6.0 on
+# Python 3.12), offline, without vLLM.
+#
+# Usage (from any directory):
+#   tools/gpu_check.sh [WHEELS_DIR]
+#
+# WHEELS_DIR (default: .whl in the repository) holds wheels of the pure-Python packages kvarn needs
+# that the machine may lack; only omegaconf (2.4.0, which needs PyYAML) is missing on the lent H200
+# image. Fetch it beforehand on a machine with a package index:
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl omegaconf==2.4.0
+# Logs go to $LOG_DIR (default: out/gpu_check). Every step must pass: the script stops at the first
+# failure with a line starting "gpu_check: FAILED", and docs/benchmarks.md is only rewritten after
+# every step passed.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+WHEELS="${1:-.whl}"
+LOG_DIR="${LOG_DIR:-out/gpu_check}"
+DOC="docs/benchmarks.md"
+mkdir -p "$LOG_DIR"
+START=$(date +%s)
+
+fail() {
+    echo "gpu_check: FAILED: $*" >&2
+    exit 1
+}
+step() { echo "== gpu_check [$(($(date +%s) - START)) s]: $*"; }
+
+step "environment"
+"$PY" - <<'EOF' || fail "torch sees no CUDA GPU"
+import torch
+assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
+print(torch.cuda.get_device_name(), "| torch", torch.__version__)
+EOF
+[ -f "$DOC" ] || fail "$DOC not found (run from a kvarn checkout)"
+grep -q '<!-- gpu_check:begin -->' "$DOC" || fail "$DOC lacks the <!-- gpu_check:begin --> marker"
+
+step "dependencies"
+if ! "$PY" -c "import omegaconf, yaml" 2>/dev/null; then
+    ls "$WHEELS"/*.whl >/dev/null 2>&1 || fail "omegaconf or PyYAML missing and no wheels in $WHEELS (see the header)"
+    "$PY" -m pip install -q --no-index --no-deps --find-links "$WHEELS" "$WHEELS"/*.whl >"$LOG_DIR/pip-wheels.log" 2>&1 ||
+        fail "installing the wheels of $WHEELS (see $LOG_DIR/pip-wheels.log)"
+fi
+# no build isolation: it would fetch setuptools from an index, and the machine has none
+"$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$LOG_DIR/pip-kvarn.log" 2>&1 ||
+    fail "pip install --no-deps -e . (see $LOG_DIR/pip-kvarn.log)"
+"$PY" -c "import kvarn.kernels, triton; print('kvarn imports; triton', triton.__version__)" || fail "import kvarn.kernels"
+
+step "GPU-marked tests (compiled kernels against the reference codec)"
+set +e
+timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 | tee "$LOG_DIR/pytest-gpu.log"
+rc=${PIPESTATUS[0]}
+set -e
+[ "$rc" -eq 0 ] || fail "GPU tests exited $rc (124: over 300 s; see $LOG_DIR/pytest-gpu.log)"
+grep -Eq '[0-9]+ passed' "$LOG_DIR/pytest-gpu.log" || fail "no GPU test passed (were they all skipped?)"
+TESTS_LINE=$(grep -E '[0-9]+ passed' "$LOG_DIR/pytest-gpu.log" | tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')
+
+step "kernel benchmark (--quick)"
+set +e
+PYTHONUNBUFFERED=1 timeout 330 "$PY" tools/bench_kernels.py --quick --out "$LOG_DIR/bench.md" 2>&1 | tee "$LOG_DIR/bench.log"
+rc=${PIPESTATUS[0]}
+set -e
+[ "$rc" -eq 0 ] || fail "tools/bench_kernels.py --quick exited $rc (124: over 330 s; see $LOG_DIR/bench.log)"
+grep -q '| kvarn |' "$LOG_DIR/bench.md" || fail "the benchmark wrote no kvarn row (see $LOG_DIR/bench.log)"
+
+step "writing $DOC"
+DRIVER=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 || echo "?")
+"$PY" - "$DOC" "$LOG_DIR/bench.md" "$TESTS_LINE" "$DRIVER" <<'EOF' || fail "writing $DOC"
+import datetime, platform, sys
+import torch, triton
+
+doc, bench, tests, driver = sys.argv[1:5]
+text = open(doc, encoding="utf-8").read()
+begin, end = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
+head, rest = text.split(begin, 1)
+_, tail = rest.split(end, 1)
+now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+section = [
+    begin,
+    f"Measured {now} on {torch.cuda.get_device_name()} (driver {driver}), torch {torch.__version__}, "
+    f"Triton {triton.__version__}, Python {platform.python_version()}, by `tools/gpu_check.sh` "
+    f"(GPU tests: {tests}; then `python tools/bench_kernels.py --quick`):",
+    "",
+    "```",
+    open(bench, encoding="utf-8").read().rstrip(),
+    "```",
+    end,
+]
+open(doc, "w", encoding="utf-8").write(head + "\n".join(section) + tail)
+print("wrote", doc)
+EOF
+step "done in $(($(date +%s) - START)) s; docs/benchmarks.md now holds the measured table (commit it)"
