@@ -9,8 +9,11 @@ spread over 8 warps).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from kvarn.schemes.scheme import Scheme
 
@@ -164,3 +167,42 @@ def decode_bytes(
         output=rows * d * query_bytes,
         tables=tables,
     )
+
+
+# split-K heuristic: below ~2 programs per SM the GPU idles, so split long contexts until it is
+# full, never into pieces of fewer than MIN_TILES_PER_SPLIT tiles (the partials cost a reduction)
+MIN_TILES_PER_SPLIT = 4
+MAX_SPLITS = 64
+_NOMINAL_SMS = 132  # an H100 SXM; used when no CUDA device is present (interpreter)
+
+
+def split_lengths(seq_lens: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Context lengths ``[B]`` -> ``(num_tiles, tail_lens, sink_lens)`` ``[B]`` int32 for this layout.
+
+    With ``scheme.sink_tile`` the first ``group_size`` tokens are sink tokens and every full tile
+    after them is packed. With ``scheme.sink_tokens = S`` every full tile is packed and
+    ``sink_lens`` is ``min(len, S)`` once the first tile is packed, else 0 (the tokens are still in
+    the tail). Otherwise ``sink_lens`` is None. The rest is the tail.
+
+    Example:
+        >>> lens = torch.tensor([1, 40, 64])
+        >>> [x.tolist() for x in split_lengths(lens, Scheme.from_name("kvarn_k4v2_g32_sink2"))]
+        [[0, 1, 2], [1, 8, 0], [0, 2, 2]]
+    """
+    lens = seq_lens.to(torch.int32)
+    t = scheme.group_size
+    sink = torch.clamp(lens, max=t) if scheme.sink_tile else None
+    rest = lens - sink if sink is not None else lens
+    tiles = torch.div(rest, t, rounding_mode="floor")
+    if scheme.sink_tokens:
+        sink = torch.where(tiles > 0, torch.clamp(lens, max=scheme.sink_tokens), 0)
+    return tiles.to(torch.int32), (rest - tiles * t).to(torch.int32), None if sink is None else sink.to(torch.int32)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, device: torch.device) -> int:
+    """Split-K factor for decode: 1 when batch x KV heads already fills the GPU or contexts are short."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _NOMINAL_SMS
+    programs = batch * num_kv_heads
+    if programs >= sms or max_tiles < 2 * MIN_TILES_PER_SPLIT:
+        return 1
+    return max(1, min(math.ceil(2 * sms / programs), max_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))

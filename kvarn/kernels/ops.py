@@ -47,16 +47,25 @@ from kvarn.kernels._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     KernelArgumentError,
-    check_staging,
     check_tensor,
+    context_args,
     log8_table,
     rotation,
 )
 from kvarn.kernels._decode import decode_kernel, merge_kernel
 from kvarn.kernels._prefill import prefill_kernel
 from kvarn.kernels._store import store_side_kernel
-from kvarn.kernels.configs import KernelConfig, decode_configs, prefill_configs, store_configs
+from kvarn.kernels.configs import (
+    KernelConfig,
+    choose_num_splits,
+    decode_configs,
+    prefill_configs,
+    split_lengths,
+    store_configs,
+)
 from kvarn.schemes.scheme import Scheme
+
+__all__ = ["choose_num_splits", "decode_attention", "prefill_attention", "quantize_tiles_triton", "split_lengths", "store_tiles"]
 
 
 def _check_scheme(scheme: Scheme, head_dim: int) -> None:
@@ -187,93 +196,6 @@ _ROT_CHUNK = 16  # query rotation: channels of R per step (a [16, D] float32 sli
 _MERGE_COLS = 32  # merge kernel: output columns per program (a [32, D] float32 slice of R)
 
 
-def split_lengths(seq_lens: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Context lengths ``[B]`` -> ``(num_tiles, tail_lens, sink_lens)`` ``[B]`` int32 for this layout.
-
-    With ``scheme.sink_tile`` the first ``group_size`` tokens are sink tokens and every full tile
-    after them is packed. With ``scheme.sink_tokens = S`` every full tile is packed and
-    ``sink_lens`` is ``min(len, S)`` once the first tile is packed, else 0 (the tokens are still in
-    the tail). Otherwise ``sink_lens`` is None. The rest is the tail.
-
-    Example:
-        >>> lens = torch.tensor([1, 40, 64])
-        >>> [x.tolist() for x in split_lengths(lens, Scheme.from_name("kvarn_k4v2_g32_sink2"))]
-        [[0, 1, 2], [1, 8, 0], [0, 2, 2]]
-    """
-    lens = seq_lens.to(torch.int32)
-    t = scheme.group_size
-    sink = torch.clamp(lens, max=t) if scheme.sink_tile else None
-    rest = lens - sink if sink is not None else lens
-    tiles = torch.div(rest, t, rounding_mode="floor")
-    if scheme.sink_tokens:
-        sink = torch.where(tiles > 0, torch.clamp(lens, max=scheme.sink_tokens), 0)
-    return tiles.to(torch.int32), (rest - tiles * t).to(torch.int32), None if sink is None else sink.to(torch.int32)
-
-
-def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, device: torch.device) -> int:
-    """Split-K factor for decode: 1 when batch x KV heads already fills the GPU or contexts are short."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _NOMINAL_SMS
-    programs = batch * num_kv_heads
-    if programs >= sms or max_tiles < 2 * MIN_TILES_PER_SPLIT:
-        return 1
-    return max(1, min(math.ceil(2 * sms / programs), max_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
-
-
-def _context_args(
-    scheme: Scheme,
-    cache: torch.Tensor,
-    block_table: torch.Tensor,
-    num_tiles: torch.Tensor,
-    tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
-    sink: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
-    bsz: int,
-    d: int,
-    block_t: int,
-) -> tuple[list[object], dict[str, object]]:
-    """Checks the tail and sink (per sequence or pools) and returns the shared kernel arguments.
-
-    Positional: cache, block table, tiles, tail pool, sink pool, rotation, log8 table; keywords: the
-    scheme's constexprs. Missing sink or slot tensors are replaced by any valid pointer (unread).
-    """
-    dev, t, hkv = cache.device, scheme.group_size, cache.shape[1]
-    tail_k, tail_v, tail_lens, tail_slot = tail
-    sink_k, sink_v, sink_lens, sink_slot = sink
-    check_staging("tail", tail_k, tail_v, tail_lens, tail_slot, bsz, hkv, d, dev, (t, t))
-    if sink_k is None and scheme.sink_len:
-        kept = "a sink tile" if scheme.sink_tile else f"its first {scheme.sink_tokens} tokens exactly"
-        raise KernelArgumentError(f"scheme {scheme.name} keeps {kept}: pass sink_k, sink_v and sink_lens")
-    if (sink_k is None) != (sink_v is None) or (sink_k is None) != (sink_lens is None):
-        raise KernelArgumentError("sink_k, sink_v and sink_lens go together")
-    if sink_slot is not None and sink_k is None:
-        raise KernelArgumentError("sink_slot without sink_k, sink_v and sink_lens")
-    if sink_k is not None and sink_v is not None and sink_lens is not None:
-        rows = (t, t) if scheme.sink_tile else (max(scheme.sink_tokens, 1), t)
-        check_staging("sink", sink_k, sink_v, sink_lens, sink_slot, bsz, hkv, d, dev, rows)
-        sk, sv, sl = sink_k, sink_v, sink_lens
-    else:  # the kernel ignores these (HAS_SINK=False); any valid pointers do
-        sk, sv, sl = tail_k, tail_v, tail_lens
-    if cache.data_ptr() % 4:
-        raise KernelArgumentError("cache must start on a 4-byte boundary (codes are read as int32 words)")
-    lay = layout(scheme, d)
-    args: list[object] = [
-        cache, cache.stride(0), cache.stride(1), block_table, block_table.stride(0), num_tiles,
-        tail_k, tail_v, tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_lens,
-        tail_slot if tail_slot is not None else tail_lens,
-        sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), sl, sink_slot if sink_slot is not None else sl,
-        rotation(scheme.rotation, d, dev), log8_table(dev),
-    ]  # fmt: skip
-    consts: dict[str, object] = dict(
-        KB=scheme.key_bits, VB=scheme.value_bits, T=t, D=d,
-        BT=min(block_t, t), PT=max(16, min(32, 4096 // d)), RK=_ROT_CHUNK,
-        LOG8=scheme.scale_dtype == "log8", ROTATE=scheme.rotation != "none",
-        HAS_SINK=sink_k is not None, SINK_TOKENS=scheme.sink_tokens, SCAP=sk.shape[2],
-        TAIL_SLOT=tail_slot is not None, SINK_SLOT=sink_slot is not None,
-        KC=lay.key_codes, VC=lay.value_codes, KS=lay.key_scale, KO=lay.key_offset, KF=lay.key_factor,
-        VS=lay.value_scale, VO=lay.value_offset, VF=lay.value_factor,
-    )  # fmt: skip
-    return args, consts
-
-
 def _merge(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, scheme: Scheme, hq: int) -> None:
     """Combine the split partials ``part`` ``[rows, S, NACC, D]`` into ``out`` ``[rows / hq, hq, D]``, un-rotating."""
     rows, splits, _, d = part.shape
@@ -352,7 +274,7 @@ def decode_attention(
     check_tensor("num_tiles", num_tiles, (bsz,), (torch.int32,), dev)
     group = hq // hkv
     cfg = config or decode_configs(scheme, d, group)[0]
-    args, consts = _context_args(
+    args, consts = context_args(
         scheme, cache, block_table, num_tiles, (tail_k, tail_v, tail_lens, tail_slot),
         (sink_k, sink_v, sink_lens, sink_slot), bsz, d, cfg.block_n,
     )  # fmt: skip
@@ -450,7 +372,7 @@ def prefill_attention(
     check_tensor("block_table", block_table, (bsz, None), (torch.int32,), dev)
     check_tensor("num_tiles", num_tiles, (bsz,), (torch.int32,), dev)
     cfg = config or prefill_configs(d)[0]
-    args, consts = _context_args(
+    args, consts = context_args(
         scheme, cache, block_table, num_tiles, (tail_k, tail_v, tail_lens, tail_slot),
         (sink_k, sink_v, sink_lens, sink_slot), bsz, d, cfg.block_n,
     )  # fmt: skip
