@@ -187,12 +187,6 @@ def quantize_tiles_triton(keys: torch.Tensor, values: torch.Tensor, scheme: Sche
     return records.squeeze(1)
 
 
-# split-K heuristic: below ~2 programs per SM the GPU idles, so split long contexts until it is
-# full, never into pieces of fewer than MIN_TILES_PER_SPLIT tiles (the partials cost a reduction)
-MIN_TILES_PER_SPLIT = 4
-MAX_SPLITS = 64
-_NOMINAL_SMS = 132  # an H100 SXM; used when no CUDA device is present (interpreter)
-_ROT_CHUNK = 16  # query rotation: channels of R per step (a [16, D] float32 slice of R at a time)
 _MERGE_COLS = 32  # merge kernel: output columns per program (a [32, D] float32 slice of R)
 
 
