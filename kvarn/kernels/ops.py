@@ -103,7 +103,11 @@ def store_tiles(
         block_ids: ``[N]`` int32/int64 destination blocks (the slot mapping, one entry per tile).
         scheme: a scheme without per-layer overrides.
         check_finite: refuse inf/NaN like the reference codec (costs a device sync).
-        config: launch options; default ``configs.store_configs(...)[0]``.
+        config: launch options; default ``configs.store_configs(...)[0]`` (``block_m``/``block_n``:
+            tokens per row chunk and channels per column chunk).
+
+    Allocates a float32 workspace of ``N * num_kv_heads * (T * D + 10 * (T + D))`` elements (74 KiB
+    per tile at 128 x 128; from the caching allocator, so also inside a CUDA graph capture).
     """
     if keys.dim() != 4:
         raise KernelArgumentError(
