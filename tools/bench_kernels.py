@@ -9,9 +9,10 @@ Usage::
 Model shape of one attention layer: 32 query heads, 8 KV heads, head_dim 128 (Llama-3-8B-like).
 For each (scheme, batch, context) it times, with ``triton.testing.do_bench``: kvarn decode attention
 over the packed paged cache, torch SDPA over a 16-bit cache (fastest of its backends), and
-FlashAttention's ``flash_attn_with_kvcache`` if installed. It prints microseconds, bytes read,
-achieved GB/s and the fraction of the copy bandwidth measured in the same run. Without a CUDA GPU
-it says so and exits 0. Shapes that do not fit in free GPU memory are skipped and reported.
+FlashAttention's ``flash_attn_with_kvcache`` if installed. It prints microseconds, bytes moved,
+achieved GB/s and the fraction of the copy bandwidth measured in the same run (kvarn: every byte
+its decode call moves, by ``kvarn.kernels.configs.decode_bytes``; 16-bit: keys and values). Without
+a CUDA GPU it says so and exits 0. Shapes that do not fit in free GPU memory are skipped and reported.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def _kvarn_row(
 ) -> Row:
     """Time kvarn decode over a packed paged cache of ``context`` tokens per sequence."""
     from kvarn.codec import quantize_tiles
-    from kvarn.kernels import decode_attention
+    from kvarn.kernels import choose_num_splits, decode_attention
+    from kvarn.kernels.configs import decode_bytes
     from kvarn.schemes import get_scheme
 
     scheme = get_scheme(name)
@@ -114,8 +116,13 @@ def _kvarn_row(
     tail_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
     q = torch.randn(batch, hq, d, dtype=torch.float16, device=dev)
     out = torch.empty_like(q)
-    us = bench(lambda: decode_attention(q, cache, table, num_tiles, tail, tail, tail_lens, scheme, out=out)) * 1e3
-    return Row(name, batch, context, "kvarn", us, cache.numel() + q.numel() * 2, copy_gbs)
+    splits = choose_num_splits(batch, hkv, tiles, torch.device(dev))
+    us = bench(
+        lambda: decode_attention(q, cache, table, num_tiles, tail, tail, tail_lens, scheme, num_splits=splits, out=out)
+    )
+    # every byte the call moves (records, query, output, split partials, metadata), from its arguments
+    moved = decode_bytes(scheme, [tiles * t] * batch, hkv, hq, d, splits, pools=False).total
+    return Row(name, batch, context, "kvarn", us * 1e3, moved, copy_gbs)
 
 
 def bench_shape(
