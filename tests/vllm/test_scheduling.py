@@ -2,9 +2,13 @@
 prefix-cache and chunking invariance, mixed prefill/decode batches, a request aborted mid-tile,
 preemption, ngram speculative decoding.
 
-Tile-causal attention makes a request's tokens independent of how its prompt was computed, so the
-checks compare greedy tokens *exactly*: a cached prefix vs none, chunk boundaries moved, a batch vs
-the same batch after an abort reused its slots, preempted vs unpreempted, speculative vs not.
+Tile-causal attention makes a request's tokens independent of how its prompt was computed. Where
+the two runs take the same kernels the greedy tokens must be *identical*: a cached prefix vs none,
+chunk boundaries moved, a batch vs the same batch after an abort reused its slots. Where a token is
+computed by the decode kernel in one run and by the prefill kernel in the other (a batch vs alone,
+preempted and recomputed vs not, speculative verification vs decode) the two kernels round float32
+differently, so the tokens must be identical or first differ at a near-tie: both runs rank the two
+tokens within :data:`NEAR_TIE` nats of each other there.
 Two engines, each started once (module fixtures), short prompts and few tokens.
 """
 
@@ -14,6 +18,7 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +30,27 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CHUNK = 256  # max_num_batched_tokens
 GEN = 24  # greedy tokens per request
+NEAR_TIE = 0.1  # nats between the two candidates where two kernels' roundings may pick either
+
+
+@dataclass(frozen=True)
+class Greedy:
+    """A greedy completion: its tokens and, per position, the top-2 candidates' logprobs."""
+
+    tokens: list[int]
+    top: list[dict[int, float]]
+
+
+def _agree(a: Greedy, b: Greedy) -> str | None:
+    """None when ``a`` and ``b`` are identical or first differ at a near-tie, else why not."""
+    for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=True)):
+        if x == y:
+            continue
+        gaps = [run.top[i][x] - run.top[i][y] for run in (a, b) if x in run.top[i] and y in run.top[i]]
+        if len(gaps) == 2 and all(abs(g) < NEAR_TIE for g in gaps):
+            return None
+        return f"first differ at token {i}: {x} vs {y}, logprob gaps {gaps} (top-2 {a.top[i]} / {b.top[i]})"
+    return None
 
 
 def _scheme_name() -> str:
@@ -66,12 +92,15 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int = GEN) -> list
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2)
     return list(llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False))
 
 
-def _tokens(outs: list[Any]) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outs]
+def _tokens(outs: list[Any]) -> list[Greedy]:
+    return [
+        Greedy(list(c.token_ids), [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
+        for c in (o.outputs[0] for o in outs)
+    ]
 
 
 def _prompts() -> dict[str, list[int]]:
@@ -138,13 +167,13 @@ def main_run() -> dict[str, Any]:
 def test_prefix_cache_hit_gives_the_same_greedy_tokens(main_run: dict[str, Any]) -> None:
     first, second, cached = main_run["prefix"]
     assert cached == 512  # 4 full tiles read from the cache, 88 tokens computed
-    assert second == first
+    assert second.tokens == first.tokens
 
 
 def test_moved_chunk_boundaries_give_the_same_greedy_tokens(main_run: dict[str, Any]) -> None:
     fresh, moved, cached = main_run["chunks"]
     assert cached == 128
-    assert moved == fresh
+    assert moved.tokens == fresh.tokens
 
 
 def test_mixed_prefill_decode_batch_and_abort_mid_tile(main_run: dict[str, Any]) -> None:
@@ -152,8 +181,8 @@ def test_mixed_prefill_decode_batch_and_abort_mid_tile(main_run: dict[str, Any])
     solo tokens; after a request is aborted with a staged tile, the same batch gives them again."""
     assert main_run["aborted_at"] >= 3
     for got, solo in zip(main_run["batch"], main_run["solo"], strict=True):
-        assert got == solo
-    assert main_run["after_abort"] == main_run["batch"]
+        assert _agree(got, solo) is None, _agree(got, solo)
+    assert [g.tokens for g in main_run["after_abort"]] == [g.tokens for g in main_run["batch"]]
 
 
 def _fluent(tokens: list[int]) -> bool:
@@ -200,10 +229,10 @@ def test_preemption_keeps_requests_fluent_and_exact(crowd_run: dict[str, Any]) -
     """Preempted requests recompute their tiles: the same greedy tokens as alone, and fluent."""
     assert crowd_run["blocks"] == 12  # the pools were counted against the KV memory given
     assert crowd_run["preemptions"] > 0
-    for tokens in crowd_run["together"]:
-        assert len(tokens) == CROWD_GEN and _fluent(tokens)
+    for got in crowd_run["together"]:
+        assert len(got.tokens) == CROWD_GEN and _fluent(got.tokens)
     for got, alone in zip(crowd_run["together"], crowd_run["alone"], strict=False):
-        assert got == alone
+        assert _agree(got, alone) is None, _agree(got, alone)
 
 
 def test_ngram_speculative_decoding_gives_the_greedy_tokens(
@@ -212,4 +241,5 @@ def test_ngram_speculative_decoding_gives_the_greedy_tokens(
     """Draft tokens are verified tile-causally like decode tokens (a tile they complete is committed,
     and re-committed if they are rejected): the tokens of the engine without speculation."""
     assert crowd_run["accepted"] > 0, "no draft token was accepted: the test did not exercise speculation"
-    assert crowd_run["alone"] == main_run["crowd_alone"]
+    for spec, plain in zip(crowd_run["alone"], main_run["crowd_alone"], strict=True):
+        assert _agree(spec, plain) is None, _agree(spec, plain)
