@@ -1,0 +1,407 @@
+"""C++ building blocks of the native CPU decode kernel: 8-lane vectors, half conversions, the
+record's parameter decoding, code unpacking in plane order, exp, online softmax, score and
+value-sum loops. Concatenated before :data:`kvarn.kernels.cpu_native_src.SOURCE`'s kernel; opens the
+anonymous namespace that the kernel closes.
+"""
+
+HELPERS = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// 8-lane vectors (GCC/Clang vector extensions): AVX2 with -march=native, pairs of SSE otherwise
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint8_t v8b __attribute__((vector_size(8)));
+
+inline v8f loadv(const float* p) { v8f v; std::memcpy(&v, p, 32); return v; }
+inline void storev(float* p, v8f v) { std::memcpy(p, &v, 32); }
+inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int e = -1;
+    do { man <<= 1; ++e; } while (!(man & 0x400));
+    bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+  }
+  float f; std::memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+inline uint16_t float_to_half(float f) {
+#if defined(__F16C__)
+  return _cvtss_sh(f, 0);
+#else
+  uint32_t x; std::memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000; int32_t e = (int32_t)((x >> 23) & 0xff) - 112; uint32_t m = x & 0x7fffff;
+  if (((x >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00 | (m ? 0x200 : 0));
+  if (e >= 31) return (uint16_t)(sign | 0x7c00);
+  if (e <= 0) {
+    if (e < -10) return (uint16_t)sign;
+    m |= 0x800000; uint32_t shift = (uint32_t)(14 - e), half = m >> shift, rem = m & ((1u << shift) - 1), mid = 1u << (shift - 1);
+    if (rem > mid || (rem == mid && (half & 1))) ++half;
+    return (uint16_t)(sign | half);
+  }
+  uint32_t h = sign | ((uint32_t)e << 10) | (m >> 13), rem = m & 0x1fff;
+  if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) ++h;
+  return (uint16_t)h;
+#endif
+}
+
+inline float load(const void* p, int64_t i, int64_t dtype) {
+  if (dtype == 0) return static_cast<const float*>(p)[i];
+  uint16_t h = static_cast<const uint16_t*>(p)[i];
+  if (dtype == 1) return half_to_float(h);
+  uint32_t bits = (uint32_t)h << 16; float f; std::memcpy(&f, &bits, 4); return f;
+}
+
+inline void store(void* p, int64_t i, float v, int64_t dtype) {
+  if (dtype == 0) { static_cast<float*>(p)[i] = v; return; }
+  uint16_t h;
+  if (dtype == 1) {
+    h = float_to_half(v);
+  } else {  // bf16, round to nearest even
+    uint32_t x; std::memcpy(&x, &v, 4);
+    h = std::isnan(v) ? (uint16_t)((x >> 16) | 0x40) : (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);
+  }
+  static_cast<uint16_t*>(p)[i] = h;
+}
+
+// stored params: fp16, or one log8 byte (scales, factors) / int8 zero point times the scale (offsets)
+inline void positives(const uint8_t* src, int64_t n, bool log8, const float* lut, float* dst) {
+  if (log8) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = lut[src[i]];
+    return;
+  }
+#if defined(__F16C__) && defined(__FLT16_MAX__)
+  typedef _Float16 v8h __attribute__((vector_size(16)));
+  for (int64_t i = 0; i < n; i += 8) {  // n is a multiple of 8 (head_dim >= 64, group_size >= 32)
+    v8h x;
+    std::memcpy(&x, src + 2 * i, 16);
+    storev(dst + i, __builtin_convertvector(x, v8f));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) { uint16_t h; std::memcpy(&h, src + 2 * i, 2); dst[i] = half_to_float(h); }
+#endif
+}
+
+inline void offsets(const uint8_t* src, int64_t n, bool log8, const float* scale, float* dst) {
+  if (!log8) {
+    positives(src, n, false, nullptr, dst);  // fp16 minimum, same decoding
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = (float)(int8_t)src[i] * scale[i];
+}
+
+// The codes of a [T, D] section are packed in planes (8 -> [8], 4 -> [4], 3 -> [2, 1], 2 -> [2]); in
+// a W-bit plane byte i of row t holds channels i*P .. i*P+P-1 (P = 8/W), low bits first. A row is
+// unpacked plane by plane in "plane order": position k*D + j*(D/P) + i holds channel i*P + j of plane
+// k (times 2**shift), so unpacking reads and writes contiguously and vectorizes; the query is
+// permuted into the same order once per tile instead, and value sums are permuted back per tile.
+template <int BITS> struct Planes;
+template <> struct Planes<8> { static constexpr int N = 1, W[1] = {8}, SHIFT[1] = {0}; };
+template <> struct Planes<4> { static constexpr int N = 1, W[1] = {4}, SHIFT[1] = {0}; };
+template <> struct Planes<2> { static constexpr int N = 1, W[1] = {2}, SHIFT[1] = {0}; };
+template <> struct Planes<3> { static constexpr int N = 2, W[2] = {2, 1}, SHIFT[2] = {0, 2}; };
+
+// 8 bytes zero-extended to 8 int32 lanes (GCC builds the generic form from scalar inserts)
+inline v8i widen8(const uint8_t* p) {
+#if defined(__AVX2__)
+  return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  v8b raw;
+  std::memcpy(&raw, p, 8);
+  return __builtin_convertvector(raw, v8i);
+#endif
+}
+
+// rows r0..r0+R-1 of one W-bit plane, in plane order: out[r * L + j * n + c] (L floats per row)
+template <int W>
+inline void plane_rows(const uint8_t* plane, int64_t D, int64_t r0, int64_t R, int shift, int64_t L, float* out) {
+  constexpr int P = 8 / W;
+  constexpr int MASK = (1 << W) - 1;
+  const int64_t n = D / P;  // bytes per row, a multiple of 8 for every head_dim >= 64
+  for (int64_t r = 0; r < R; ++r) {
+    const uint8_t* row = plane + (r0 + r) * n;
+    float* o = out + r * L;
+    for (int64_t c = 0; c < n; c += 8) {
+      const v8i x = widen8(row + c);
+      for (int j = 0; j < P; ++j) storev(o + j * n + c, __builtin_convertvector(((x >> (j * W)) & MASK) << shift, v8f));
+    }
+  }
+}
+
+constexpr int64_t ROWS = 32;  // rows unpacked at a time: 32 x 2 x 256 floats at most, in L1/L2
+
+// rows r0..r0+R-1 of a [T, D] code section: [R, L] floats, L = planes * D
+template <int BITS>
+inline void unpack_rows(const uint8_t* sec, int64_t T, int64_t D, int64_t r0, int64_t R, float* out) {
+  const int64_t L = Planes<BITS>::N * D;
+  const uint8_t* plane = sec;
+  for (int k = 0; k < Planes<BITS>::N; ++k) {
+    const int w = Planes<BITS>::W[k], shift = Planes<BITS>::SHIFT[k];
+    if (w == 8) plane_rows<8>(plane, D, r0, R, shift, L, out + k * D);
+    else if (w == 4) plane_rows<4>(plane, D, r0, R, shift, L, out + k * D);
+    else if (w == 2) plane_rows<2>(plane, D, r0, R, shift, L, out + k * D);
+    else plane_rows<1>(plane, D, r0, R, shift, L, out + k * D);
+    plane += T * D * w / 8;
+  }
+}
+
+// the 8 lane sums of v[0..7], as one vector
+inline v8f hsum8(const v8f* v) {
+#if defined(__AVX__)
+  const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  return _mm256_permute2f128_ps(ab, cd, 0x20) + _mm256_permute2f128_ps(ab, cd, 0x31);
+#else
+  v8f r;
+  for (int i = 0; i < 8; ++i) { float x = 0.f; for (int k = 0; k < 8; ++k) x += v[i][k]; r[i] = x; }
+  return r;
+#endif
+}
+
+// channel of each plane-order position: [N * D]
+template <int BITS>
+void plane_channels(int64_t D, int32_t* idx) {
+  for (int k = 0; k < Planes<BITS>::N; ++k) {
+    const int64_t P = 8 / Planes<BITS>::W[k], n = D / P;
+    for (int64_t j = 0; j < P; ++j)
+      for (int64_t i = 0; i < n; ++i) idx[k * D + j * n + i] = (int32_t)(i * P + j);
+  }
+}
+
+// bits chosen at run time, once per block of rows (one compiled tile loop for every scheme)
+inline int64_t num_planes(int64_t bits) { return bits == 3 ? 2 : 1; }
+
+inline void unpack_rows_any(int64_t bits, const uint8_t* sec, int64_t T, int64_t D, int64_t r0, int64_t R, float* out) {
+  switch (bits) {
+    case 2: unpack_rows<2>(sec, T, D, r0, R, out); break;
+    case 3: unpack_rows<3>(sec, T, D, r0, R, out); break;
+    case 4: unpack_rows<4>(sec, T, D, r0, R, out); break;
+    default: unpack_rows<8>(sec, T, D, r0, R, out); break;
+  }
+}
+
+inline void plane_channels_any(int64_t bits, int64_t D, int32_t* idx) {
+  switch (bits) {
+    case 2: plane_channels<2>(D, idx); break;
+    case 3: plane_channels<3>(D, idx); break;
+    case 4: plane_channels<4>(D, idx); break;
+    default: plane_channels<8>(D, idx); break;
+  }
+}
+
+// exp of 8 lanes x <= 0 (Cephes' expf polynomial, relative error ~2e-7); lanes below -87 give 0
+inline v8f exp_neg8(v8f x) {
+  const v8i dead = x < splat(-87.f);
+  x = dead ? splat(-87.f) : x;
+  const v8f n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest
+  const v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v8f p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v8f y = p * r * r + r + 1.f;
+  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  return dead ? splat(0.f) : y * (v8f)bits;
+}
+
+inline float hmax8(v8f v) {
+  float x = v[0];
+  for (int i = 1; i < 8; ++i) x = std::max(x, v[i]);
+  return x;
+}
+
+inline float hadd8(v8f v) {
+  float x = 0.f;
+  for (int i = 0; i < 8; ++i) x += v[i];
+  return x;
+}
+
+// online softmax over scores s[g * ld + t], t < n (a multiple of 8): rescales acc and l, turns s into
+// probabilities; returns false when every score so far is -inf (nothing to accumulate)
+inline bool softmax_step(float* s, int64_t G, int64_t n, int64_t ld, int64_t D, float* m, float* l, float* acc) {
+  bool any = false;
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * ld;
+    v8f mv = splat(-INFINITY);
+    for (int64_t t = 0; t < n; t += 8) { const v8f x = loadv(sg + t); mv = x > mv ? x : mv; }
+    const float mn = std::max(m[g], hmax8(mv));
+    if (mn == -INFINITY) {
+      std::fill(sg, sg + n, 0.f);
+      continue;
+    }
+    any = true;
+    const float alpha = m[g] == -INFINITY ? 0.f : std::exp(m[g] - mn);
+    v8f sum = splat(0.f);
+    for (int64_t t = 0; t < n; t += 8) {
+      const v8f p = exp_neg8(loadv(sg + t) - mn);
+      storev(sg + t, p);
+      sum += p;
+    }
+    l[g] = l[g] * alpha + hadd8(sum);
+    if (alpha != 1.f)
+      for (int64_t d = 0; d < D; d += 8) storev(acc + g * D + d, loadv(acc + g * D + d) * alpha);
+    m[g] = mn;
+  }
+  return any;
+}
+
+// scores of rows 0..R-1 (R a multiple of 8) for query heads g0..g0+NG-1: s[g * ld + t]
+template <int NG>
+inline void key_scores(const float* rows, const float* qs, int64_t R, int64_t L, int64_t g0, float* s, int64_t ld,
+                       v8f* red) {
+  const float* q0 = qs + g0 * L;
+  for (int64_t t8 = 0; t8 < R; t8 += 8) {
+    for (int r = 0; r < 8; ++r) {
+      const float* row = rows + (t8 + r) * L;
+      v8f acc[NG];
+      for (int k = 0; k < NG; ++k) acc[k] = splat(0.f);
+      for (int64_t x = 0; x < L; x += 8) {
+        const v8f v = loadv(row + x);
+        for (int k = 0; k < NG; ++k) acc[k] += v * loadv(q0 + k * L + x);
+      }
+      for (int k = 0; k < NG; ++k) red[8 * k + r] = acc[k];
+    }
+    for (int k = 0; k < NG; ++k) storev(s + (g0 + k) * ld + t8, hsum8(red + 8 * k));
+  }
+}
+
+// scores straight from packed key codes (no float copy of the rows): rows 0..T-1, query heads
+// g0..g0+NG-1 whose plane-order queries are qs[g * L + x]; s[g * ld + t]
+template <int BITS, int NG>
+inline void packed_scores(const uint8_t* sec, int64_t T, int64_t D, const float* qs, int64_t L, int64_t g0, float* s,
+                          int64_t ld, v8f* red) {
+  const float* q0 = qs + g0 * L;
+  for (int64_t t8 = 0; t8 < T; t8 += 8) {
+    for (int r = 0; r < 8; ++r) {
+      v8f acc[NG];
+      for (int k = 0; k < NG; ++k) acc[k] = splat(0.f);
+      const uint8_t* plane = sec;
+      for (int pk = 0; pk < Planes<BITS>::N; ++pk) {
+        const int w = Planes<BITS>::W[pk], p = 8 / w, mask = (1 << w) - 1, shift = Planes<BITS>::SHIFT[pk];
+        const int64_t n = D / p;
+        const uint8_t* row = plane + (t8 + r) * n;
+        const float* qp = q0 + pk * D;
+        for (int64_t c = 0; c < n; c += 8) {
+          const v8i x = widen8(row + c);
+          for (int j = 0; j < p; ++j) {
+            const v8f v = __builtin_convertvector(((x >> (j * w)) & mask) << shift, v8f);
+            for (int k = 0; k < NG; ++k) acc[k] += v * loadv(qp + k * L + j * n + c);
+          }
+        }
+        plane += T * n;
+      }
+      for (int k = 0; k < NG; ++k) red[8 * k + r] = acc[k];
+    }
+    for (int k = 0; k < NG; ++k) storev(s + (g0 + k) * ld + t8, hsum8(red + 8 * k));
+  }
+}
+
+template <int BITS>
+inline void packed_scores_all(const uint8_t* sec, int64_t T, int64_t D, const float* qs, int64_t L, int64_t G, float* s,
+                              v8f* red) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: packed_scores<BITS, 1>(sec, T, D, qs, L, g0, s, T, red); break;
+      case 2: packed_scores<BITS, 2>(sec, T, D, qs, L, g0, s, T, red); break;
+      case 3: packed_scores<BITS, 3>(sec, T, D, qs, L, g0, s, T, red); break;
+      default: packed_scores<BITS, 4>(sec, T, D, qs, L, g0, s, T, red); break;
+    }
+  }
+}
+
+inline void key_scores_all(const float* rows, const float* qs, int64_t R, int64_t L, int64_t G, float* s, int64_t ld,
+                           v8f* red) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: key_scores<1>(rows, qs, R, L, g0, s, ld, red); break;
+      case 2: key_scores<2>(rows, qs, R, L, g0, s, ld, red); break;
+      case 3: key_scores<3>(rows, qs, R, L, g0, s, ld, red); break;
+      default: key_scores<4>(rows, qs, R, L, g0, s, ld, red); break;
+    }
+  }
+}
+
+// tmp[g][x] += sum_t p[g * ld + t] * rows[t][x], t < R, for every query head; 64 columns at a time in registers
+inline void value_sums(const float* rows, const float* p, int64_t R, int64_t L, int64_t G, int64_t ld, float* tmp) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* pg = p + g * ld;
+    for (int64_t x0 = 0; x0 < L; x0 += 64) {
+      const int64_t nk = std::min<int64_t>(8, (L - x0) / 8);
+      float* out = tmp + g * L + x0;
+      v8f acc[8];
+      for (int k = 0; k < nk; ++k) acc[k] = loadv(out + 8 * k);
+      for (int64_t t = 0; t < R; ++t) {
+        const v8f w = splat(pg[t]);
+        const float* row = rows + t * L + x0;
+        for (int k = 0; k < nk; ++k) acc[k] += w * loadv(row + 8 * k);
+      }
+      for (int k = 0; k < nk; ++k) storev(out + 8 * k, acc[k]);
+    }
+  }
+}
+
+// row of D elements (f32, f16 or bf16) to floats; D is a multiple of 8
+inline void load_row(const void* src, int64_t dtype, int64_t D, float* dst) {
+  if (dtype == 0) {
+    std::memcpy(dst, src, D * 4);
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(src);
+  for (int64_t d = 0; d < D; d += 8) {
+    if (dtype == 2) {  // bf16: the high half of a float
+      typedef uint16_t v8u16 __attribute__((vector_size(16)));
+      v8u16 x;
+      std::memcpy(&x, h + d, 16);
+      storev(dst + d, (v8f)(__builtin_convertvector(x, v8i) << 16));
+    } else {
+#if defined(__F16C__) && defined(__FLT16_MAX__)
+      typedef _Float16 v8h __attribute__((vector_size(16)));
+      v8h x;
+      std::memcpy(&x, h + d, 16);
+      storev(dst + d, __builtin_convertvector(x, v8f));
+#else
+      for (int k = 0; k < 8; ++k) dst[d + k] = half_to_float(h[d + k]);
+#endif
+    }
+  }
+}
+
+// y = x @ M for x [D], M [D, D] row-major (D a multiple of 8); 64 outputs at a time in registers
+void vec_mat(const float* x, const float* M, int64_t D, float* y) {
+  for (int64_t e0 = 0; e0 < D; e0 += 64) {
+    const int64_t nk = std::min<int64_t>(8, (D - e0) / 8);
+    v8f acc[8];
+    for (int k = 0; k < 8; ++k) acc[k] = splat(0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      const v8f xd = splat(x[d]);
+      const float* row = M + d * D + e0;
+      for (int k = 0; k < nk; ++k) acc[k] += xd * loadv(row + 8 * k);
+    }
+    for (int k = 0; k < nk; ++k) storev(y + e0 + 8 * k, acc[k]);
+  }
+}
+
+"""
