@@ -60,7 +60,7 @@ def decode(p: Paged, query: torch.Tensor, block_table: torch.Tensor, num_tiles: 
     bsz, hq, d = query.shape
     h = p.cache.shape[1]
     g, t = hq // h, p.scheme.group_size
-    q = query.float().view(bsz, h, g, d) * p.sm_scale
+    q = query.float().reshape(bsz, h, g, d) * p.sm_scale  # query may be a strided view (vLLM qkv)
     ek, ev, ok_rows = exact_rows(p, num_tiles)
     s_rows = (q @ ek.transpose(-1, -2)).masked_fill(~ok_rows[:, None, None, :], float("-inf"))  # [B, H, G, R]
     rec, ok_tiles = _read_tiles(p, block_table, num_tiles)

@@ -157,6 +157,22 @@ def test_decode_half_precision_and_out_buffer() -> None:
             assert sqnr_db(ref, out.float()) >= 40.0, impl  # output rounding of half precision
 
 
+def test_decode_strided_query_and_output() -> None:
+    """vLLM hands a query split from its fused qkv tensor (rows strided) and writes into a slice."""
+    sc = scheme("kvarn_k4v2_g32")
+    pb = paged_batch(sc, [3 * 32 + 9, 40], 2, 64, seed=4)
+    qkv = torch.randn(2, 6 + 2 * 2, 64, generator=torch.Generator().manual_seed(4))
+    q = qkv[:, :6]  # [2, 6, 64], row stride 10 * 64
+    ref = torch.cat([attention(q[b : b + 1], pb.context_k[b], pb.context_v[b]) for b in range(2)])
+    for impl in IMPLS:
+        out = torch.zeros(4, 6, 64)
+        cpu.decode_attention(
+            q, pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, sc, out=out[1:3], impl=impl
+        )
+        assert sqnr_db(ref, out[1:3]) >= MIN_SQNR_DB, impl
+        assert not out[0].any() and not out[3].any()
+
+
 def test_decode_sequence_without_tokens_gets_zeros() -> None:
     sc = scheme("kvarn_k4v2_g32")
     pb = paged_batch(sc, [40, 5], 1, 64)
