@@ -233,7 +233,6 @@ def decode_kernel(
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     lsum = tl.zeros((BLOCK_G,), tl.float32)
     acc_r = tl.zeros((BLOCK_G, D), tl.float32)
-    acc_p = tl.zeros((BLOCK_G, D), tl.float32)
 
     ntiles = tl.load(ntiles_ptr + b)
     n_sink = 0
@@ -253,6 +252,7 @@ def decode_kernel(
         tl.minimum(start + per_split, ntiles), n_sink, qr, m, lsum, acc_r, lut_ptr,
         KB, VB, T, D, BT, LOG8, SINK_TOKENS, KC, VC, KS, KO, KF, VS, VO, VF,
     )  # fmt: skip
+    acc_p = tl.zeros((BLOCK_G, D), tl.float32)  # plain-token values, born after the tile loop
 
     # plain tokens after the tiles, in the first split (sink) and the last (tail); order is free
     # in an online softmax, and the tile loop then holds only the rotated query

@@ -59,7 +59,6 @@ def prefill_kernel(
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         lsum = tl.zeros((BLOCK_M,), tl.float32)
         acc_r = tl.zeros((BLOCK_M, D), tl.float32)
-        acc_p = tl.zeros((BLOCK_M, D), tl.float32)
 
         ntiles = tl.load(ntiles_ptr + b)
         n_sink = 0
@@ -77,6 +76,7 @@ def prefill_kernel(
             n_sink, qr, m, lsum, acc_r, lut_ptr,
             KB, VB, T, D, BT, LOG8, SINK_TOKENS, KC, VC, KS, KO, KF, VS, VO, VF,
         )  # fmt: skip
+        acc_p = tl.zeros((BLOCK_M, D), tl.float32)  # plain-token values, born after the tile loop
 
         no_limit = tl.full((BLOCK_M,), NEVER, tl.int32)
         if HAS_SINK:

@@ -73,15 +73,16 @@ def prefill_configs(head_dim: int) -> list[KernelConfig]:
 
     ``block_m`` is rows per program (at least the group size rounded up to a power of two: the
     launcher raises it); ``block_n`` the tile sub-block ``BT``. Compiled for sm_90 (k4v2_g128,
-    bf16) with Triton 3.9 and 3.6, no spills: head_dim 64, 8 warps, 64 rows: 206 registers;
-    128, 8 warps, 32 rows: 252; 256, 4 warps, 16 rows, 1 stage: 255, 2 programs/SM (2 stages
-    spilled 20 bytes with Triton 3.6, 32 rows spilled at 256).
+    with and without a sink token) with Triton 3.9 and 3.6, no spills: head_dim 64, 8 warps, 64
+    rows: 191-206 registers, 1 program/SM; 128, 4 warps, 16 rows: 198-208, 2 programs/SM (8 warps
+    and 32 rows spilled 8 bytes with a sink); 256, 4 warps, 16 rows, BT 16, 1 stage: 254-255, 2
+    programs/SM (BT 32 spilled 20 bytes with a sink).
     """
     if head_dim <= 64:
         return [KernelConfig(8, 2, 64, 32), KernelConfig(8, 2, 32, 32), KernelConfig(4, 2, 16, 32)]
     if head_dim <= 128:
-        return [KernelConfig(8, 2, 32, 32), KernelConfig(4, 2, 16, 32), KernelConfig(8, 2, 64, 32)]
-    return [KernelConfig(4, 1, 16, 32), KernelConfig(4, 1, 16, 16)]
+        return [KernelConfig(4, 2, 16, 32), KernelConfig(8, 2, 32, 16)]
+    return [KernelConfig(4, 1, 16, 16), KernelConfig(4, 2, 16, 16)]
 
 
 @dataclass(frozen=True)
