@@ -243,15 +243,15 @@ def write_section(doc: Path, name: str, body: str) -> None:
 
 
 def _measuring_args(argv: list[str]) -> list[str]:
-    """The arguments that change what is measured (``--json``/``--doc`` paths left out of the docs)."""
+    """The arguments that change what is measured (``--json``, ``--doc``, ``--section`` left out of the docs)."""
     out: list[str] = []
     skip = False
     for a in argv:
         if skip:
             skip = False
-        elif a in ("--json", "--doc"):
+        elif a in ("--json", "--doc", "--section"):
             skip = True
-        elif not a.startswith(("--json=", "--doc=")):
+        elif not a.startswith(("--json=", "--doc=", "--section=")):
             out.append(a)
     return out
 
@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json", type=Path, help="write the rows as JSON here")
         p.add_argument("--doc", type=Path, default=DOC, help="markdown file whose section is replaced")
         p.add_argument("--no-doc", action="store_true", help="do not touch the markdown file")
+        p.add_argument("--section", help="name of the doc section to replace (default: the subcommand)")
     sub.choices["serve"].add_argument("--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128"])
     sub.choices["serve"].add_argument("--new-tokens", type=int, default=32)
     sub.choices["ops"].add_argument("--repeats", type=int, default=10)
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
         unit = "" if args.cmd == "serve" else "milliseconds per call of one layer (median), "
-        write_section(args.doc, args.cmd, f"Measured {stamp}, {unit}`{cmd}`:\n\n{table}")
+        write_section(args.doc, args.section or args.cmd, f"Measured {stamp}, {unit}`{cmd}`:\n\n{table}")
     return 0
 
 
