@@ -46,26 +46,29 @@ if ! "$PY" -c "import omegaconf, yaml" 2>/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --find-links "$WHEELS" "$WHEELS"/*.whl >"$LOG_DIR/pip-wheels.log" 2>&1 ||
         fail "installing the wheels of $WHEELS (see $LOG_DIR/pip-wheels.log)"
 fi
-# no build isolation: it would fetch setuptools from an index, and the machine has none
-"$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$LOG_DIR/pip-kvarn.log" 2>&1 ||
-    fail "pip install --no-deps -e . (see $LOG_DIR/pip-kvarn.log)"
+# no build isolation: it would fetch setuptools from an index, and the machine has none. Should the
+# machine's setuptools be too old for an editable install, run from the checkout instead (loudly).
+if ! "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$LOG_DIR/pip-kvarn.log" 2>&1; then
+    echo "gpu_check: WARNING: pip install --no-deps -e . failed (see $LOG_DIR/pip-kvarn.log); using PYTHONPATH=$ROOT" >&2
+    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+fi
 "$PY" -c "import kvarn.kernels, triton; print('kvarn imports; triton', triton.__version__)" || fail "import kvarn.kernels"
 
 step "GPU-marked tests (compiled kernels against the reference codec)"
 set +e
-timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 | tee "$LOG_DIR/pytest-gpu.log"
+timeout 210 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 | tee "$LOG_DIR/pytest-gpu.log"
 rc=${PIPESTATUS[0]}
 set -e
-[ "$rc" -eq 0 ] || fail "GPU tests exited $rc (124: over 300 s; see $LOG_DIR/pytest-gpu.log)"
+[ "$rc" -eq 0 ] || fail "GPU tests exited $rc (124: over 210 s; see $LOG_DIR/pytest-gpu.log)"
 grep -Eq '[0-9]+ passed' "$LOG_DIR/pytest-gpu.log" || fail "no GPU test passed (were they all skipped?)"
 TESTS_LINE=$(grep -E '[0-9]+ passed' "$LOG_DIR/pytest-gpu.log" | tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')
 
 step "kernel benchmark (--quick)"
 set +e
-PYTHONUNBUFFERED=1 timeout 330 "$PY" tools/bench_kernels.py --quick --out "$LOG_DIR/bench.md" 2>&1 | tee "$LOG_DIR/bench.log"
+PYTHONUNBUFFERED=1 timeout 240 "$PY" tools/bench_kernels.py --quick --out "$LOG_DIR/bench.md" 2>&1 | tee "$LOG_DIR/bench.log"
 rc=${PIPESTATUS[0]}
 set -e
-[ "$rc" -eq 0 ] || fail "tools/bench_kernels.py --quick exited $rc (124: over 330 s; see $LOG_DIR/bench.log)"
+[ "$rc" -eq 0 ] || fail "tools/bench_kernels.py --quick exited $rc (124: over 240 s; see $LOG_DIR/bench.log)"
 grep -q '| kvarn |' "$LOG_DIR/bench.md" || fail "the benchmark wrote no kvarn row (see $LOG_DIR/bench.log)"
 
 step "writing $DOC"
