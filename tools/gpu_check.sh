@@ -89,9 +89,7 @@ section = [
     f"Triton {triton.__version__}, Python {platform.python_version()}, by `tools/gpu_check.sh` "
     f"(GPU tests: {tests}; then `python tools/bench_kernels.py --quick`):",
     "",
-    "```",
-    open(bench, encoding="utf-8").read().rstrip(),
-    "```",
+    open(bench, encoding="utf-8").read().rstrip(),  # header lines, the markdown table, the store lines
     end,
 ]
 open(doc, "w", encoding="utf-8").write(head + "\n".join(section) + tail)
