@@ -135,7 +135,7 @@ def context_args(
     ]  # fmt: skip
     consts: dict[str, object] = dict(
         KB=scheme.key_bits, VB=scheme.value_bits, T=t, D=d,
-        BT=min(block_t, t), PT=max(16, min(32, 4096 // d)), RK=ROT_CHUNK,
+        BT=min(block_t, t), PT=32 if d <= 64 else 16, RK=ROT_CHUNK,
         LOG8=scheme.scale_dtype == "log8", ROTATE=scheme.rotation != "none",
         HAS_SINK=sink_k is not None, SINK_TOKENS=scheme.sink_tokens, SCAP=sk.shape[2],
         TAIL_SLOT=tail_slot is not None, SINK_SLOT=sink_slot is not None,
