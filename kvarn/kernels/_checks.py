@@ -113,6 +113,8 @@ def context_args(
     if sink_k is None and scheme.sink_len:
         kept = "a sink tile" if scheme.sink_tile else f"its first {scheme.sink_tokens} tokens exactly"
         raise KernelArgumentError(f"scheme {scheme.name} keeps {kept}: pass sink_k, sink_v and sink_lens")
+    if sink_k is not None and not scheme.sink_len:
+        raise KernelArgumentError(f"scheme {scheme.name} keeps no sink: pass no sink_k, sink_v, sink_lens")
     if (sink_k is None) != (sink_v is None) or (sink_k is None) != (sink_lens is None):
         raise KernelArgumentError("sink_k, sink_v and sink_lens go together")
     if sink_slot is not None and sink_k is None:

@@ -129,7 +129,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: 
     return torch.einsum("hls,hsd->lhd", torch.softmax(s, dim=-1), v.cpu())
 
 
-def scheme(name: str, sink_tokens: int = 0) -> Scheme:
+def named(name: str, sink_tokens: int = 0) -> Scheme:
     """``name`` with an explicit ``sink_tokens`` (built-in presets may default to exact first tokens).
 
     Names with their own sink suffix (``_sink``, ``_sink2``) are taken as written.

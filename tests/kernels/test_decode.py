@@ -13,7 +13,7 @@ from kvarn.codec import dequantize_tiles
 from kvarn.kernels import KernelArgumentError, choose_num_splits, decode_attention, split_lengths
 from kvarn.schemes import BUILTINS, Scheme
 
-from ._reference import DEVICE, PagedBatch, attention, paged_batch, sqnr_db
+from ._reference import DEVICE, PagedBatch, attention, named, paged_batch, sqnr_db
 
 MIN_SQNR_DB = 40.0
 
@@ -46,7 +46,7 @@ def test_decode_every_builtin_mixed_lengths(name: str) -> None:
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_head_dims_gqa_and_split_k(d: int, group: int, splits: int) -> None:
-    scheme = Scheme.from_name("kvarn_k4v2_g32")
+    scheme = named("kvarn_k4v2_g32")
     # one context ends mid-tile, one exactly on a tile boundary, one is tail only
     _check(scheme, [4 * 32 + 17, 3 * 32, 9], hkv=2, group=group, d=d, num_splits=splits, seed=d + group)
 
@@ -54,7 +54,7 @@ def test_decode_head_dims_gqa_and_split_k(d: int, group: int, splits: int) -> No
 @pytest.mark.parametrize("name", ["kvarn_k4v2_g32_s8_sink", "kvarn_k3v4_g32_rot-rh", "kvarn_k2v3_g32_rot-none_it0"])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_sink_rotations_and_options(name: str, splits: int) -> None:
-    _check(Scheme.from_name(name), [6 * 32 + 40, 32 + 1, 20], hkv=1, group=3, d=64, num_splits=splits)
+    _check(named(name), [6 * 32 + 40, 32 + 1, 20], hkv=1, group=3, d=64, num_splits=splits)
 
 
 @pytest.mark.parametrize(
@@ -62,15 +62,15 @@ def test_decode_sink_rotations_and_options(name: str, splits: int) -> None:
 )
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_sink_tokens_read_exact_copies(name: str, splits: int) -> None:
-    t = Scheme.from_name(name).group_size
+    t = named(name).group_size
     # four tiles and a tail (split-K: tile 0 in split 0), exactly one tile and no tail, tail only
     # shorter and longer than the sink (copies ignored)
-    _check(Scheme.from_name(name), [4 * t + 5, t, 1, 20], hkv=2, group=3, d=64, num_splits=splits)
+    _check(named(name), [4 * t + 5, t, 1, 20], hkv=2, group=3, d=64, num_splits=splits)
 
 
 def test_decode_sink_tokens_differ_from_reading_tile_0_quantized() -> None:
     """The oracle check can fail: dequantized tile-0 tokens instead of the copies are far off."""
-    scheme = Scheme.from_name("kvarn_k4v2_g32_sink2")
+    scheme = named("kvarn_k4v2_g32_sink2")
     pb = paged_batch(scheme, [2 * 32 + 3], 1, 64)
     q = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     out = _run(scheme, pb, q, 1).cpu()
@@ -84,7 +84,7 @@ def test_decode_sink_tokens_differ_from_reading_tile_0_quantized() -> None:
 @pytest.mark.parametrize("splits", [1, 2])
 def test_decode_sink_lens_are_clamped_and_ignored_without_tiles(splits: int) -> None:
     """``sink_lens`` above ``sink_tokens`` count as ``sink_tokens``; without a packed tile as 0."""
-    scheme = Scheme.from_name("kvarn_k4v2_g32_sink2")
+    scheme = named("kvarn_k4v2_g32_sink2")
     pb = paged_batch(scheme, [3 * 32 + 1, 32, 7], 1, 64)
     q = torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     exact = _run(scheme, pb, q, splits)
@@ -98,25 +98,25 @@ def test_split_k_is_chosen_automatically_for_long_contexts_and_small_batches() -
     assert choose_num_splits(batch=1, num_kv_heads=2, max_tiles=64, device=dev) > 1
     assert choose_num_splits(batch=128, num_kv_heads=8, max_tiles=1024, device=dev) == 1
     assert choose_num_splits(batch=1, num_kv_heads=1, max_tiles=4, device=dev) == 1
-    scheme = Scheme.from_name("kvarn_k4v4_g32")
+    scheme = named("kvarn_k4v4_g32")
     assert choose_num_splits(1, 1, 10, DEVICE) > 1  # block table of 10 columns below: split path
     _check(scheme, [8 * 32 + 3], hkv=1, group=4, d=64, num_splits=None)
 
 
 def test_split_lengths() -> None:
     lens = torch.tensor([0, 5, 64, 64 + 31, 3 * 64])
-    tiles, tails, sinks = split_lengths(lens, Scheme.from_name("kvarn_k4v2_g64"))
+    tiles, tails, sinks = split_lengths(lens, named("kvarn_k4v2_g64"))
     assert sinks is None and tiles.tolist() == [0, 0, 1, 1, 3] and tails.tolist() == [0, 5, 0, 31, 0]
-    tiles, tails, sinks = split_lengths(lens, Scheme.from_name("kvarn_k4v2_g64_sink"))
+    tiles, tails, sinks = split_lengths(lens, named("kvarn_k4v2_g64_sink"))
     assert sinks is not None and sinks.tolist() == [0, 5, 64, 64, 64]
     assert tiles.tolist() == [0, 0, 0, 0, 2] and tails.tolist() == [0, 0, 0, 31, 0]
-    tiles, tails, sinks = split_lengths(lens, Scheme.from_name("kvarn_k4v2_g64_sink8"))
+    tiles, tails, sinks = split_lengths(lens, named("kvarn_k4v2_g64_sink8"))
     assert sinks is not None and sinks.dtype == torch.int32 and sinks.tolist() == [0, 0, 8, 8, 8]
     assert tiles.tolist() == [0, 0, 1, 1, 3] and tails.tolist() == [0, 5, 0, 31, 0]
 
 
 def test_decode_fp16_query_and_tail() -> None:
-    scheme = Scheme.from_name("kvarn_k4v2_g32")
+    scheme = named("kvarn_k4v2_g32")
     pb = paged_batch(scheme, [3 * 32 + 7], 1, 64)
     pb.tail_k, pb.tail_v = pb.tail_k.half(), pb.tail_v.half()
     q = torch.randn(1, 2, 64).half().to(DEVICE)
@@ -126,7 +126,7 @@ def test_decode_fp16_query_and_tail() -> None:
 
 
 def test_decode_rejects_bad_arguments() -> None:
-    scheme = Scheme.from_name("kvarn_k4v2_g32")
+    scheme = named("kvarn_k4v2_g32")
     pb = paged_batch(scheme, [40], 2, 64)
     q = torch.randn(1, 6, 64, device=DEVICE)
     with pytest.raises(KernelArgumentError, match="multiple of num_kv_heads"):
@@ -134,13 +134,13 @@ def test_decode_rejects_bad_arguments() -> None:
     with pytest.raises(KernelArgumentError, match="block_table dtype torch.int64"):
         decode_attention(q, pb.cache, pb.block_table.long(), pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, scheme)
     with pytest.raises(KernelArgumentError, match="keeps a sink tile"):
-        _run(Scheme.from_name("kvarn_k4v2_g32_sink"), pb, q, 1)
+        _run(named("kvarn_k4v2_g32_sink"), pb, q, 1)
     with pytest.raises(KernelArgumentError, match="cache must have shape"):
-        _run(Scheme.from_name("kvarn_k4v4_g32"), pb, q, 1)
+        _run(named("kvarn_k4v4_g32"), pb, q, 1)
 
 
 def test_decode_sink_tokens_require_sink_arguments() -> None:
-    scheme = Scheme.from_name("kvarn_k4v2_g32_sink2")
+    scheme = named("kvarn_k4v2_g32_sink2")
     pb = paged_batch(scheme, [40], 2, 64)
     q = torch.randn(1, 4, 64, device=DEVICE)
     args = (q, pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, scheme)
@@ -159,4 +159,4 @@ def test_decode_sink_tokens_require_sink_arguments() -> None:
 @pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v2_g128_sink4"])
 @pytest.mark.parametrize("splits", [1, None])
 def test_decode_full_size_on_gpu(name: str, splits: int | None) -> None:
-    _check(Scheme.from_name(name), [40 * 128 + 77, 128, 5], hkv=8, group=4, d=128, num_splits=splits)
+    _check(named(name), [40 * 128 + 77, 128, 5], hkv=8, group=4, d=128, num_splits=splits)

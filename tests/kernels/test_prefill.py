@@ -12,7 +12,7 @@ from kvarn.codec import dequantize_tiles
 from kvarn.kernels import KernelArgumentError, KernelConfig, prefill_attention
 from kvarn.schemes import Scheme
 
-from ._reference import DEVICE, PagedBatch, attention, paged_batch, sqnr_db
+from ._reference import DEVICE, PagedBatch, attention, named, paged_batch, sqnr_db
 
 MIN_SQNR_DB = 40.0
 SMALL = KernelConfig(num_warps=4, num_stages=1, block_m=64, block_n=32)  # few interpreter programs
@@ -54,7 +54,7 @@ def _run(
 def test_prefill_matches_causal_reference(
     name: str, d: int, hkv: int, group: int, cached: list[int], new: list[int]
 ) -> None:
-    scheme = Scheme.from_name(name)
+    scheme = named(name)
     pb = paged_batch(scheme, cached, hkv, d, seed=d + group)
     q, k, v = _new_tokens(new, hkv, group, d)
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
@@ -70,7 +70,7 @@ def test_prefill_matches_causal_reference(
 
 
 def test_prefill_sink_tokens_differ_from_reading_tile_0_quantized_and_clamp_sink_lens() -> None:
-    scheme = Scheme.from_name("kvarn_k4v2_g32_sink2")
+    scheme = named("kvarn_k4v2_g32_sink2")
     pb = paged_batch(scheme, [2 * 32 + 3, 5], 1, 64)
     q, k, v = _new_tokens([9, 4], hkv=1, group=2, d=64)
     cu = torch.tensor([0, 9, 13], dtype=torch.int32)
@@ -89,7 +89,7 @@ def test_prefill_sink_tokens_differ_from_reading_tile_0_quantized_and_clamp_sink
 
 
 def test_prefill_sink_tokens_require_sink_arguments() -> None:
-    scheme = Scheme.from_name("kvarn_k4v2_g32_sink1")
+    scheme = named("kvarn_k4v2_g32_sink1")
     pb = paged_batch(scheme, [40], 1, 64)
     q, k, v = _new_tokens([3], hkv=1, group=1, d=64)
     cu = torch.tensor([0, 3], dtype=torch.int32)
@@ -100,7 +100,7 @@ def test_prefill_sink_tokens_require_sink_arguments() -> None:
 
 def test_prefill_is_causal() -> None:
     """Changing a later new token must not change earlier outputs."""
-    scheme = Scheme.from_name("kvarn_k4v2_g32")
+    scheme = named("kvarn_k4v2_g32")
     pb = paged_batch(scheme, [40], 1, 64)
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(12, 2 if i == 0 else 1, 64, generator=g).to(DEVICE) for i in range(3))

@@ -12,7 +12,7 @@ import torch
 from kvarn.kernels import KernelArgumentError, decode_attention, prefill_attention
 from kvarn.schemes import Scheme
 
-from ._reference import DEVICE, PagedBatch, Pools, attention, paged_batch, scheme, sqnr_db, to_pools, with_tails
+from ._reference import DEVICE, PagedBatch, Pools, attention, named, paged_batch, sqnr_db, to_pools, with_tails
 
 MIN_SQNR_DB = 40.0
 
@@ -38,7 +38,7 @@ def _decode_ref(pb: PagedBatch, q: torch.Tensor) -> torch.Tensor:
     ("name", "splits"), [("kvarn_k4v2_g32", 1), ("kvarn_k3v2_g32_rot-rh_s8_sink2", 2), ("kvarn_k4v4_g32_sink", 1)]
 )
 def test_decode_reads_pools_by_permuted_slot(name: str, splits: int) -> None:
-    s = scheme(name)
+    s = named(name)
     pb = paged_batch(s, [2 * 32 + 9, 32, 5, 3 * 32 + 31], hkv=2, d=64, seed=4)
     q = torch.randn(4, 6, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     pools = to_pools(pb, s, spare=3)
@@ -52,7 +52,7 @@ def test_decode_reads_pools_by_permuted_slot(name: str, splits: int) -> None:
 
 def test_decode_tail_lengths_one_to_group_size() -> None:
     """tail_lens 1..group_size inclusive (a full tail: the new token filled it, not yet packed)."""
-    s = scheme("kvarn_k4v2_g32")
+    s = named("kvarn_k4v2_g32")
     t = s.group_size
     lens = [(b % 2) * t + t - 1 for b in range(t)]  # every other sequence has one packed tile
     pb = with_tails(paged_batch(s, lens, hkv=1, d=64, seed=5), list(range(1, t + 1)))
@@ -63,7 +63,7 @@ def test_decode_tail_lengths_one_to_group_size() -> None:
 
 @pytest.mark.parametrize(("name", "d", "group"), [("kvarn_k4v2_g32", 256, 7), ("kvarn_k2v3_g32_s8_sink1", 128, 7)])
 def test_decode_group_7_and_head_dim_256(name: str, d: int, group: int) -> None:
-    s = scheme(name)
+    s = named(name)
     pb = paged_batch(s, [32 + 7, 4], hkv=1, d=d, seed=6)
     q = torch.randn(2, group, d, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     out = _decode(s, pb, q, to_pools(pb, s, spare=2), splits=2)
@@ -100,7 +100,7 @@ def _prefill(s: Scheme, pb: PagedBatch, new: list[int], group: int, pools: Pools
     ],
 )
 def test_prefill_reads_pools_by_permuted_slot(name: str, d: int, group: int, cached: list[int], new: list[int]) -> None:
-    s = scheme(name)
+    s = named(name)
     pb = paged_batch(s, cached, hkv=1, d=d, seed=9)
     out, ref = _prefill(s, pb, new, group, to_pools(pb, s, spare=2))
     assert sqnr_db(ref, out.cpu()) >= MIN_SQNR_DB
@@ -108,14 +108,14 @@ def test_prefill_reads_pools_by_permuted_slot(name: str, d: int, group: int, cac
 
 def test_prefill_full_tail() -> None:
     """A tail holding a whole tile's tokens (not yet packed) is attended in full before the new tokens."""
-    s = scheme("kvarn_k4v4_g32")
+    s = named("kvarn_k4v4_g32")
     pb = with_tails(paged_batch(s, [32 + 31, 31], hkv=1, d=64, seed=10), [32, 32])
     out, ref = _prefill(s, pb, [4, 2], 2, to_pools(pb, s, spare=1))
     assert sqnr_db(ref, out.cpu()) >= MIN_SQNR_DB
 
 
 def test_pool_arguments_are_checked() -> None:
-    s = scheme("kvarn_k4v2_g32_sink2")
+    s = named("kvarn_k4v2_g32_sink2")
     pb = paged_batch(s, [40, 70], hkv=1, d=64)
     pools = to_pools(pb, s, spare=1)
     q = torch.randn(2, 2, 64, device=DEVICE)
@@ -128,12 +128,12 @@ def test_pool_arguments_are_checked() -> None:
     with pytest.raises(KernelArgumentError, match="sink_slot must have shape \\[2\\]"):
         decode_attention(*base, tail_slot=pools.tail_slot, **sink, sink_slot=pools.sink_slot[:1])
     with pytest.raises(KernelArgumentError, match="sink_slot without sink_k"):
-        decode_attention(*base[:-1], scheme("kvarn_k4v2_g32"), tail_slot=pools.tail_slot, sink_slot=pools.sink_slot)
+        decode_attention(*base[:-1], named("kvarn_k4v2_g32"), tail_slot=pools.tail_slot, sink_slot=pools.sink_slot)
 
 
 def test_decode_and_prefill_do_not_synchronise_with_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
     """No ``.item()``/``.tolist()``/``.cpu()``/``bool(tensor)`` in either op (decode: CUDA-graph safe)."""
-    s = scheme("kvarn_k4v2_g32_sink1")
+    s = named("kvarn_k4v2_g32_sink1")
     pb = paged_batch(s, [2 * 32 + 3, 6], hkv=1, d=64, seed=11)
     pools = to_pools(pb, s, spare=1)
     q = torch.randn(2, 2, 64, generator=torch.Generator().manual_seed(11)).to(DEVICE)
@@ -156,3 +156,15 @@ def test_decode_and_prefill_do_not_synchronise_with_the_host(monkeypatch: pytest
     )  # fmt: skip
     monkeypatch.undo()
     assert torch.equal(out, expected)
+
+
+def test_sink_arguments_for_a_scheme_without_sink_are_refused() -> None:
+    """They would otherwise be attended as a sink tile ahead of the packed tiles."""
+    s = named("kvarn_k4v2_g32")
+    pb = paged_batch(s, [40], hkv=1, d=64)
+    q = torch.randn(1, 2, 64, device=DEVICE)
+    with pytest.raises(KernelArgumentError, match="keeps no sink"):
+        decode_attention(
+            q, pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, s,
+            sink_k=pb.tail_k, sink_v=pb.tail_v, sink_lens=pb.tail_lens,
+        )  # fmt: skip
