@@ -48,12 +48,12 @@ def store_configs(scheme: Scheme, head_dim: int) -> list[KernelConfig]:
 def decode_configs(scheme: Scheme, head_dim: int, group_q: int) -> list[KernelConfig]:
     """Decode attention: one program streams the tiles of one (sequence, KV head, split).
 
-    ``block_n`` is the sub-block of tile tokens unpacked at once (``BT``). Compiled for sm_90
-    (k4v2_g128, bf16; ``python tools/compile_gate.py --only decode``), no spills in any: head_dim 64
-    4 warps, BT 64: 150 registers, 3 programs/SM; 128: 4 warps, BT 32: 175 registers, 2
-    programs/SM (168 and 3 with Triton 3.6; 8 warps, BT 64 spilled 8 bytes there); 256: 4 warps,
-    BT 32: 255, 2 programs/SM (8 warps reach no lower). Unmeasured on a GPU: the alternatives
-    follow for ``bench_kernels --sweep``.
+    ``block_n`` is the sub-block of tile tokens unpacked at once (``BT``). Measured with
+    ``python tools/compile_gate.py --only decode`` (k4v2_g128, with and without a sink token,
+    Triton 3.9 and 3.6), no spills anywhere: sm_90 head_dim 64, 4 warps, BT 64: 125-128
+    registers, 4 programs/SM; 128, 4 warps, BT 32: 164-168, 3 programs/SM; 256, 4 warps, BT 32:
+    254, 2 programs/SM. 8 warps spilled at 128 with Triton 3.6, and reach no lower at 256.
+    Unmeasured on a GPU: the alternatives follow for ``bench_kernels --sweep``.
     """
     bt = min(scheme.group_size, 32 if head_dim > 128 else 64)
     if head_dim <= 64:
