@@ -54,9 +54,9 @@ def decode_configs(scheme: Scheme, head_dim: int, group_q: int) -> list[KernelCo
 
     ``block_n`` is the sub-block of tile tokens unpacked at once (``BT``). Measured with
     ``python tools/compile_gate.py --only decode`` (k4v2_g128, with and without a sink token,
-    Triton 3.9 and 3.6), no spills anywhere: sm_90 head_dim 64, 4 warps, BT 64: 125-128
-    registers, 4 programs/SM; 128, 4 warps, BT 32: 164-168, 3 programs/SM; 256, 4 warps, BT 32:
-    254, 2 programs/SM. 8 warps spilled at 128 with Triton 3.6, and reach no lower at 256.
+    Triton 3.9 and 3.6), no spills: sm_90 head_dim 64, 4 warps, BT 64, cap 168: 154-164
+    registers, 3 programs/SM; 128, 4 warps, BT 32, cap 168: 166, 3 programs/SM; 256, 4 warps, BT
+    32: 254, 2 programs/SM. 8 warps spilled at 128 with Triton 3.6, and reach no lower at 256.
     Unmeasured on a GPU: the alternatives follow for ``bench_kernels --sweep``.
     """
     bt = min(scheme.group_size, 32 if head_dim > 128 else 64)
