@@ -65,7 +65,14 @@ from kvarn.kernels.configs import (
 )
 from kvarn.schemes.scheme import Scheme
 
-__all__ = ["choose_num_splits", "decode_attention", "prefill_attention", "quantize_tiles_triton", "split_lengths", "store_tiles"]
+__all__ = [
+    "choose_num_splits",
+    "decode_attention",
+    "prefill_attention",
+    "quantize_tiles_triton",
+    "split_lengths",
+    "store_tiles",
+]
 
 
 def _check_scheme(scheme: Scheme, head_dim: int) -> None:
