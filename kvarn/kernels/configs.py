@@ -78,15 +78,15 @@ def prefill_configs(head_dim: int) -> list[KernelConfig]:
     ``block_m`` is rows per program (at least the group size rounded up to a power of two: the
     launcher raises it); ``block_n`` the tile sub-block ``BT``. Compiled for sm_90 (k4v2_g128,
     with and without a sink token) with Triton 3.9 and 3.6, no spills: head_dim 64, 8 warps, 64
-    rows: 191-206 registers, 1 program/SM; 128, 4 warps, 16 rows: 198-208, 2 programs/SM (8 warps
-    and 32 rows spilled 8 bytes with a sink); 256, 4 warps, 16 rows, BT 16, 1 stage: 254-255, 2
-    programs/SM (BT 32 spilled 20 bytes with a sink).
+    rows: 191-218 registers, 1 program/SM; 128, 4 warps, 16 rows: 198-212, 2 programs/SM (8 warps
+    and 32 rows spilled 8 bytes with a sink); 256, 8 warps, 16 rows, BT 16, 1 stage: 254-255, 1
+    program/SM (4 warps spilled 20 bytes with bf16 queries and 4 query heads per KV head).
     """
     if head_dim <= 64:
         return [KernelConfig(8, 2, 64, 32, 255), KernelConfig(8, 2, 32, 32, 255), KernelConfig(4, 2, 16, 32, 255)]
     if head_dim <= 128:
         return [KernelConfig(4, 2, 16, 32, 255), KernelConfig(8, 2, 32, 16, 255)]
-    return [KernelConfig(4, 1, 16, 16, 255), KernelConfig(4, 2, 16, 16, 255)]
+    return [KernelConfig(8, 1, 16, 16, 255), KernelConfig(4, 1, 16, 16, 255)]
 
 
 @dataclass(frozen=True)
