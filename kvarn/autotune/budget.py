@@ -79,6 +79,18 @@ class Budget:
             self.metric
         ]
 
+    def fmt(self, value: float) -> str:
+        """One measured value in words, e.g. ``+2.557% perplexity``, ``KL 0.0123``, ``180 greedy tokens``.
+
+        >>> parse_budget("1%").fmt(2.5571)
+        '+2.557% perplexity'
+        """
+        if self.metric == "ppl":
+            return f"{value:+.4g}% perplexity"
+        if self.metric == "kl":
+            return f"KL {value:.4g}"
+        return f"{value:.0f} greedy tokens"
+
     def value(self, m: Measurement) -> float:
         """The budgeted metric of one measurement."""
         if self.metric == "ppl":

@@ -223,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         res, name, out_dir, str(args.text) if args.text else "bundled GPL-3 + Apache-2.0 (kvarn/data)"
     )
     plot = None
-    if res.trials:
+    if res.trials and (args.plot or written):  # no preset written: nothing left in the preset folder
         plot = plot_front(res, args.plot or out_dir / f"{name}.png")
     human = sys.stderr if args.json else sys.stdout  # --json: stdout is JSON only
     print(summary_table(res), file=human)

@@ -93,9 +93,12 @@ def _fmt(x: float | None, spec: str = ".4g") -> str:
 def summary_table(res: TuneResult) -> str:
     """A plain-text table: front, confirmed candidates, references, and the verdict."""
     metric = res.config["budget"]["metric"]
+    measured = sum(bool(t.get("evaluated")) for t in res.trials)
+    free = len(res.trials) - measured  # pruned unmeasured: they could not beat the best feasible bits
     lines = [
         f"kvarn-tune {res.config['model']} budget {res.config['budget']['text']} ({metric}), "
-        f"{len(res.trials)} trials, {res.seconds:.0f} s, study {res.study_name}",
+        f"{measured} measured trials (+{free} pruned unmeasured: could not beat the best feasible bits), "
+        f"{res.seconds:.0f} s, study {res.study_name}",
         f"{'role':<10} {'bits/el':>8} {'x fp16':>7} {'calib':>9} {'calib 90% CI':>18} {'held-out':>9} "
         f"{'held-out 90% CI':>18}  scheme",
     ]

@@ -573,15 +573,15 @@ def _finish(
         res.closest = c
         res.message = (
             f"{len(res.confirmed)} candidate(s) met budget {budget.text} on calibration text but none on held-out "
-            f"text; closest: {c.scheme} at {c.bits:.4f} bits/element with held-out {budget.metric}={c.heldout_metric:.4g}"
+            f"text; closest: {c.scheme} at {c.bits:.4f} bits/element with {budget.fmt(c.heldout_metric or 0.0)} on held-out text"
         )
         res.exit_code = 3
     else:
         w = res.winner
         res.message = (
-            f"{w.scheme}: {w.bits:.4f} bits/element ({16 / w.bits:.2f}x), {budget.metric} {w.calib_metric:.4g} "
-            f"{fmt_ci(w.calib_ci)} on calibration and {w.heldout_metric:.4g} {fmt_ci(w.heldout_ci)} on held-out "
-            f"text (budget {budget.text})"
+            f"{w.scheme}: {w.bits:.4f} bits/element ({16 / w.bits:.2f}x), {budget.fmt(w.calib_metric or 0.0)} "
+            f"{fmt_ci(w.calib_ci)} on calibration and {budget.fmt(w.heldout_metric or 0.0)} {fmt_ci(w.heldout_ci)} "
+            f"on held-out text (budget {budget.text})"
         )
     res.seconds = time.perf_counter() - t0
     return res
