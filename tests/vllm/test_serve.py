@@ -149,6 +149,10 @@ def _server(model: str, log: Path) -> Iterator[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(
+    strict=False,
+    reason="written 2026-12-01 but not yet run once before that session ended (the shared machine's engine queue); remove this mark once it passes",
+)
 def test_vllm_serve_answers_concurrent_requests(tmp_path: Path) -> None:
     import httpx
 
