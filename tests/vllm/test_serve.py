@@ -151,7 +151,7 @@ def _server(model: str, log: Path) -> Iterator[str]:
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=False,
-    reason="written 2026-12-01 but not yet run once before that session ended (the shared machine's engine queue); remove this mark once it passes",
+    reason="failed on its first run (2026-12-01 03:45); not diagnosed in that session; the parser tests of this file pass",
 )
 def test_vllm_serve_answers_concurrent_requests(tmp_path: Path) -> None:
     import httpx
