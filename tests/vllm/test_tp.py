@@ -34,7 +34,7 @@ def _generate(model: Path, tp: int) -> tuple[int, list[int]]:
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 on CPU needs 2 cores")
 @pytest.mark.xfail(
     strict=False,
-    reason="not yet run against the tile-causal backend of 2026-12-01 (pools per worker) before that session ended; remove this mark once it passes",
+    reason="failed on its first run against the tile-causal backend of 2026-12-01 (pools per worker); not diagnosed in that session",
 )
 def test_tp2_matches_tp1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvarn.vllm.synthetic import make_tiny_llama
