@@ -23,11 +23,9 @@ from kvarn.kernels.gate import ARCHS, Row, Variant, check_row, parse_ptxas, prog
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "compile_gate.py"
 
-# "sm_<arch> <variant name>" -> the measured reason it fails today (xfail, not strict: a pass counts
-# as a pass); measured 2026-12-01 02:55 UTC with Triton 3.9.0 on the committed kernels
-KNOWN_FAILURES: dict[str, str] = {
-    "sm_90 prefill k4v2_g128 d256 bf16 g4": "prefill_kernel: 254 registers, 20 B spills (Triton 3.9; 0 with 3.6)",
-}
+# "sm_<arch> <variant name>" -> the measured reason it fails today (xfail, not strict). Empty since
+# prefill at head_dim 256 moved to 8 warps (2026-12-01): every quick variant passed the gate then.
+KNOWN_FAILURES: dict[str, str] = {}
 
 
 def _env() -> dict[str, str]:
