@@ -133,7 +133,9 @@ def test_prefill_chunks_decode_and_mixed_steps_are_tile_causal(scheme: Scheme) -
     mix prefill chunks and decode tokens; tiles complete inside chunks and on decode tokens."""
     steps = [[70, 0], [1, 20], [1, 45], [1, 0], *[[1, 1]] * 10, [0, 3], [2, 0]]
     total = [sum(s[0] for s in steps), sum(s[1] for s in steps)]
-    _run(scheme, steps, total)
+    outs = _run(scheme, steps, total)  # asserts every request against the tile-causal reference
+    for out, n in zip(outs, total, strict=True):  # and every token got an output row (rows start at 0)
+        assert out.shape[0] == n and bool(out.abs().sum(-1).gt(0).all())
 
 
 def test_outputs_do_not_depend_on_chunking() -> None:
