@@ -69,35 +69,6 @@ def staging_slots(max_num_seqs: int) -> tuple[int, int]:
     return initial, max(max_num_seqs, initial)
 
 
-def _patch_model_runner() -> None:
-    """Publish, each step, the last and first block of every request the runner holds.
-
-    The last blocks free staging slots of dead requests (:mod:`kvarn.vllm.staging`), the first
-    blocks free sink slots (:mod:`kvarn.vllm.sinks`).
-    """
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError:  # pragma: no cover - other runner layouts: the pool then reclaims LRU only
-        return
-    if getattr(GPUModelRunner, "_kvarn_live_hook", False):
-        return
-    original = GPUModelRunner._update_states
-
-    def _update_states(self: Any, scheduler_output: Any) -> Any:
-        result = original(self, scheduler_output)
-        from kvarn.vllm.staging import LIVE_BLOCKS
-
-        try:
-            rows = [ids for r in self.requests.values() for ids in r.block_ids if ids]
-            LIVE_BLOCKS["blocks"], LIVE_BLOCKS["first"] = {ids[-1] for ids in rows}, {ids[0] for ids in rows}
-        except AttributeError:  # pragma: no cover - a runner without per-request block ids
-            LIVE_BLOCKS["blocks"] = LIVE_BLOCKS["first"] = None
-        return result
-
-    GPUModelRunner._update_states = _update_states  # type: ignore[method-assign]
-    GPUModelRunner._kvarn_live_hook = True  # type: ignore[attr-defined]
-
-
 def known_names() -> list[str]:
     """Every preset name found now: built-ins first, then user presets (scanned from disk)."""
     return [p.name for p in list_presets()]
@@ -294,7 +265,6 @@ def register() -> None:
     _patch_platform()
     _patch_engine_args()
     _patch_cli()
-    _patch_model_runner()
     logger.debug("kvarn: registered %d KV-cache dtypes: %s", len(names), ", ".join(names))
 
 
