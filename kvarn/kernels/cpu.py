@@ -11,7 +11,8 @@ Sequence ``b`` attends, in token order: its sink tile (``scheme.sink_tile``), it
 ``block_table[b, :num_tiles[b]]`` (with ``scheme.sink_tokens``, tile 0's first
 ``min(sink_lens[b], S)`` positions come from the exact sink copies, and none while
 ``num_tiles[b] == 0``), its tail rows, then (prefill only) its own new tokens causally.
-All tensors are unrotated; rotation happens inside.
+All tensors are unrotated; rotation happens inside. Full tiles are quantized into the cache by
+:func:`store_tiles` (:mod:`kvarn.kernels.cpu_store`, the native twin of ``ops.store_tiles``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import torch
 from kvarn.kernels import cpu_native, cpu_torch
 from kvarn.kernels._checks import FLOAT_DTYPES, KernelArgumentError, check_tensor
 from kvarn.kernels.cpu_args import CPU, check_indices, check_paged
+from kvarn.kernels.cpu_store import store_tiles
 from kvarn.schemes.scheme import Scheme
 
-__all__ = ["decode_attention", "prefill_attention"]
+__all__ = ["decode_attention", "prefill_attention", "store_tiles"]
 
 IMPLS = ("auto", "native", "torch")
 

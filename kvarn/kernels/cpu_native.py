@@ -104,6 +104,8 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.kvarn_decode.argtypes = [ctypes.POINTER(_Args)]
     lib.kvarn_decode.restype = ctypes.c_int
+    lib.kvarn_store.argtypes = [ctypes.c_void_p]  # a StoreArgs (kvarn.kernels.cpu_store)
+    lib.kvarn_store.restype = ctypes.c_int
     return lib
 
 

@@ -15,6 +15,7 @@ output in the query's dtype.
 """
 
 from kvarn.kernels.cpu_native_vec import HELPERS
+from kvarn.kernels.cpu_store_src import STORE
 
 KERNEL = r"""
 struct Args {  // every field 8 bytes: mirrored by ctypes in cpu_native.py
@@ -245,4 +246,4 @@ extern "C" int kvarn_decode(const Args* args) {
 }
 """
 
-SOURCE = HELPERS + KERNEL
+SOURCE = HELPERS + KERNEL + STORE  # one library: decode, then the store (kvarn.kernels.cpu_store)

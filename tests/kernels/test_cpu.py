@@ -312,3 +312,169 @@ def test_prefill_segments_sharing_tiles() -> None:
         vv = torch.cat([pb.context_v[0][:, :ctx_len], v[s:e].transpose(0, 1)], 1)
         refs.append(attention(q[s:e], kk, vv, causal_offset=ctx_len))
     assert sqnr_db(torch.cat(refs), out) >= MIN_SQNR_DB
+
+
+# --- the native store (kvarn.kernels.cpu_store) against the reference codec ---------------------------------------
+
+STORE_CASES = [  # (scheme, head_dim, dtype): bit widths 2/3/4/8, tiles 32..128, fp16 and log8 params, rotations
+    ("kvarn_k4v2_g128", 64, torch.bfloat16),
+    ("kvarn_k4v4_g128", 128, torch.float16),
+    ("kvarn_k3v2_g128_s8", 64, torch.float32),
+    ("kvarn_k4v2_g128_sink", 128, torch.bfloat16),
+    ("kvarn_k4v4_g64", 256, torch.bfloat16),
+    ("kvarn_k2v2_g32_rot-rh_it3", 64, torch.float32),
+    ("kvarn_k8v3_g32_rot-none_it2_s8", 128, torch.float16),
+    ("kvarn_k4v2_g32_it0", 64, torch.float32),
+]
+
+
+def store_inputs(
+    sc: Scheme, n: int, h: int, d: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n, h, T, d]`` keys (outlier channel, loud first token, per-tile magnitude from 1e-3 to 1e3) and
+    values (per-token magnitudes), plus one all-zero key tile, one constant value tile, one tiny tile."""
+    g = torch.Generator().manual_seed(seed)
+    t = sc.group_size
+    k = torch.randn(n, h, t, d, generator=g)
+    k[..., 3] = k[..., 3] * 6 + 3
+    k[:, :, 0] *= 4
+    k = k * torch.exp(torch.randn(n, h, 1, 1, generator=g) * 2)
+    v = torch.randn(n, h, t, d, generator=g) * torch.exp(torch.randn(n, h, t, 1, generator=g))
+    k[0, 0], v[-1, -1] = 0.0, 0.5
+    k[-1, 0] *= 1e-6
+    return k.to(dtype), v.to(dtype)
+
+
+def assert_store_matches_reference(out: torch.Tensor, ref: torch.Tensor, sc: Scheme, d: int, x: tuple) -> None:
+    """The native store's tolerance (kvarn.kernels.cpu_store_src): most records byte for byte; in the
+    rest, codes within one (>= 99.9% equal), each stored param within two fp16 steps or log8 codes, and
+    the tile's reconstruction error within 0.1% of the reference's."""
+    from kvarn.codec import decode_records, dequantize_tiles
+
+    nb = sc.tile_bytes(d)
+    out, ref = out.reshape(-1, nb), ref.reshape(-1, nb)
+    same = (out == ref).all(-1)
+    assert float(same.float().mean()) >= 0.9, f"only {int(same.sum())}/{same.numel()} records byte-identical"
+    a, b = decode_records(out, sc, d), decode_records(ref, sc, d)
+    for name in ("key_codes", "value_codes"):
+        diff = (getattr(a, name).int() - getattr(b, name).int()).abs()
+        assert float((diff == 0).float().mean()) >= 0.999 and int(diff.max()) <= 1, name
+    step = 2.0**-10 if sc.scale_dtype == "fp16" else 2.0 ** (1 / 8) - 1  # one fp16 step / one log8 code, relative
+    for name in ("key_scale", "key_factor", "value_scale", "value_factor", "key_offset", "value_offset"):
+        p, r = getattr(a, name), getattr(b, name)
+        # two steps, relative (fp16 subnormals: absolute): a factor one step apart moves the range of
+        # the rows it divides, so their scales and zero points round up to one more step apart
+        bound = 2.02 * step * r.abs() + 2.0**-23
+        if "offset" in name and sc.scale_dtype == "log8":  # z * scale: scale one code apart, or z one apart
+            side = name.split("_")[0]
+            bound = bound + torch.maximum(getattr(a, f"{side}_scale"), getattr(b, f"{side}_scale"))
+        assert bool(((p - r).abs() <= bound).all()), name
+    keys, values = (t.reshape(-1, sc.group_size, d).float() for t in x)
+    for i in (~same).nonzero().flatten().tolist():
+        for side in (0, 1):
+            err = [
+                float((dequantize_tiles(r[i : i + 1], sc, d)[side] - (keys, values)[side][i]).square().sum())
+                for r in (out, ref)
+            ]
+            assert err[0] <= err[1] * 1.001 + 1e-12, (i, side, err)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: no native store")
+@pytest.mark.parametrize(("name", "d", "dtype"), STORE_CASES)
+def test_native_store_matches_the_reference_codec(name: str, d: int, dtype: torch.dtype) -> None:
+    from kvarn.codec import quantize_tiles
+    from kvarn.kernels.cpu_store import store_tiles
+
+    sc = Scheme.from_name(name)
+    n, h, t = 6, 2, sc.group_size
+    k, v = store_inputs(sc, n, h, d, dtype, seed=len(name) + d)
+    cache = torch.zeros(n + 3, h, sc.tile_bytes(d), dtype=torch.uint8)
+    ids = torch.tensor([4, 0, 7, 2, 8, 5], dtype=torch.int32)
+    store_tiles(k, v, cache, ids, sc, impl="native")
+    ref = quantize_tiles(k.reshape(n * h, t, d), v.reshape(n * h, t, d), sc)
+    assert_store_matches_reference(cache[ids.long()], ref, sc, d, (k, v))
+    untouched = torch.ones(n + 3, dtype=torch.bool)
+    untouched[ids.long()] = False
+    assert not cache[untouched].any()
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: no native store")
+def test_native_store_is_byte_identical_on_typical_tiles() -> None:
+    """On the kernel tests' usual tiles (kv_tiles) every record is byte for byte the reference's."""
+    from kvarn.codec import quantize_tiles
+    from kvarn.kernels.cpu_store import store_tiles
+
+    from ._reference import kv_tiles
+
+    for name, d in (("kvarn_k4v2_g128", 64), ("kvarn_k3v2_g128_s8", 128), ("kvarn_k4v4_g64", 256)):
+        sc = Scheme.from_name(name)
+        k, v = kv_tiles(6, sc.group_size, d, seed=d)
+        cache = torch.zeros(6, 1, sc.tile_bytes(d), dtype=torch.uint8)
+        store_tiles(k[:, None], v[:, None], cache, torch.arange(6), sc, impl="native")
+        assert torch.equal(cache[:, 0], quantize_tiles(k, v, sc)), name
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: no native store")
+def test_native_store_strided_input_into_page_views_on_any_number_of_threads() -> None:
+    """The backend's two inputs: staging slots [F, H, T, D] and this step's tokens viewed as
+    [F, T, H, D].transpose(1, 2); pages wider than a record (only the record's bytes are written).
+    Tasks are independent: the same bytes on 1, 2 or 3 threads."""
+    from kvarn.codec import quantize_tiles
+    from kvarn.kernels.cpu_store import store_tiles
+
+    sc = Scheme.from_name("kvarn_k4v2_g128")
+    d, h, t = 64, 3, sc.group_size
+    g = torch.Generator().manual_seed(4)
+    tokens_k = torch.randn(2 * t, h, d, generator=g).bfloat16()
+    tokens_v = torch.randn(2 * t, h, d, generator=g).bfloat16()
+    k, v = (x.view(2, t, h, d).transpose(1, 2) for x in (tokens_k, tokens_v))
+    nb = sc.tile_bytes(d)
+    ref = quantize_tiles(k.reshape(2 * h, t, d), v.reshape(2 * h, t, d), sc).view(2, h, nb)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            pages = torch.full((4, h, nb + 16), 7, dtype=torch.uint8)
+            store_tiles(k, v, pages[:, :, :nb], torch.tensor([3, 1]), sc, impl="native")
+            assert_store_matches_reference(pages[[3, 1], :, :nb], ref, sc, d, (k, v))
+            assert bool((pages[:, :, nb:] == 7).all()) and bool((pages[[0, 2]] == 7).all())
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_store_arguments_are_checked_with_names() -> None:
+    from kvarn.kernels.cpu_store import store_tiles
+
+    sc = Scheme.from_name("kvarn_k4v2_g32")
+    k = torch.randn(2, 1, 32, 64)
+    cache = torch.zeros(3, 1, sc.tile_bytes(64), dtype=torch.uint8)
+    ids = torch.tensor([0, 2])
+    with pytest.raises(KernelArgumentError, match="keys must be"):
+        store_tiles(k[0], k[0], cache, ids, sc)
+    with pytest.raises(KernelArgumentError, match="impl='fast' is not one of: auto, native, reference"):
+        store_tiles(k, k, cache, ids, sc, impl="fast")
+    with pytest.raises(KernelArgumentError, match="values dtype"):
+        store_tiles(k, k.half(), cache, ids, sc)
+    with pytest.raises(KernelArgumentError, match="cache must have shape"):
+        store_tiles(k, k, cache[:, :, :-1], ids, sc)
+    with pytest.raises(KernelArgumentError, match=r"block_ids must be block ids in 0..2, got \[0, 3\]"):
+        store_tiles(k, k, cache, torch.tensor([0, 3]), sc)
+    with pytest.raises(KernelArgumentError, match="per-layer overrides"):
+        store_tiles(k, k, cache, ids, Scheme.from_name("kvarn_k4v2_g32_L0fp16"))
+    bad = k.clone()
+    bad[0, 0, 3, 5] = float("nan")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        store_tiles(bad, k, cache, ids, sc, check_finite=True)
+
+
+def test_reference_store_writes_the_codec_records() -> None:
+    """``impl="reference"`` (the fallback without a compiler): the reference records, scattered."""
+    from kvarn.codec import quantize_tiles
+    from kvarn.kernels.cpu_store import store_tiles
+
+    sc = Scheme.from_name("kvarn_k4v2_g32")
+    k, v = (torch.randn(2, 2, 32, 64, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    cache = torch.zeros(3, 2, sc.tile_bytes(64), dtype=torch.uint8)
+    store_tiles(k, v, cache, torch.tensor([2, 0]), sc, impl="reference")
+    ref = quantize_tiles(k.reshape(4, 32, 64), v.reshape(4, 32, 64), sc).view(2, 2, -1)
+    assert torch.equal(cache[[2, 0]], ref) and not cache[1].any()
