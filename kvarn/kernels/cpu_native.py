@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -156,6 +157,81 @@ def _static_args(scheme: Scheme, d: int, dtype: torch.dtype, sink_cap: int) -> _
     return a
 
 
+@dataclass
+class Prepared:
+    """A decode call's arguments except the query and output (``prepare``), for ``run``.
+
+    ``keep`` holds every tensor whose pointer is in ``args`` (converted index tensors included).
+    """
+
+    args: _Args
+    keep: list[torch.Tensor]
+    paged: Paged
+    block_table: torch.Tensor
+    num_tiles: torch.Tensor
+    copies: bool  # some index tensor was converted to int32: the args point at a copy made now
+
+
+def prepare(p: Paged, query: torch.Tensor, block_table: torch.Tensor, num_tiles: torch.Tensor) -> Prepared | None:
+    """The native call's arguments for these tensors; None when the library is missing or the
+    tensors do not fit it (mixed dtypes, different strides of keys and values)."""
+    lib = library()
+    dtype = query.dtype
+    sink = p.sink_k is not None and p.sink_v is not None and p.sink_lens is not None
+    rows = [(p.tail_k, p.tail_v)] + ([(p.sink_k, p.sink_v)] if sink else [])
+    if lib is None or any(k is None or v is None or k.dtype != dtype or k.stride() != v.stride() for k, v in rows):
+        return None
+    bsz, hq, d = query.shape
+    h = p.cache.shape[1]
+    a = _Args.from_buffer_copy(_static_args(p.scheme, d, dtype, p.sink_k.shape[2] if p.sink_k is not None else 0))
+    threads = torch.get_num_threads()
+    a.B, a.H, a.G, a.SPLITS, a.NTHREADS = bsz, h, hq // h, choose_splits(bsz, h, threads), threads
+    given = [block_table, num_tiles, p.tail_lens]
+    keep = [_i32(block_table), _i32(num_tiles), _i32(p.tail_lens)]
+    a.NUM_BLOCKS, a.BT_WIDTH, a.TAIL_SLOTS = p.cache.shape[0], block_table.shape[1], p.tail_k.shape[0]
+    a.cache, a.cache_sb, a.cache_sh = p.cache.data_ptr(), p.cache.stride(0), p.cache.stride(1)
+    a.block_table, a.bt_sb, a.num_tiles = keep[0].data_ptr(), keep[0].stride(0), keep[1].data_ptr()
+    a.tail_k, a.tail_v, a.tail_lens = p.tail_k.data_ptr(), p.tail_v.data_ptr(), keep[2].data_ptr()
+    a.tail_ss, a.tail_sh, a.tail_st = p.tail_k.stride()[:3]
+    if p.tail_slot is not None:
+        given.append(p.tail_slot)
+        keep.append(_i32(p.tail_slot))
+        a.tail_slot = keep[-1].data_ptr()
+    if p.sink_k is not None and p.sink_v is not None and p.sink_lens is not None:
+        given.append(p.sink_lens)
+        keep.append(_i32(p.sink_lens))
+        a.sink_k, a.sink_v, a.sink_lens = p.sink_k.data_ptr(), p.sink_v.data_ptr(), keep[-1].data_ptr()
+        a.sink_ss, a.sink_sh, a.sink_st = p.sink_k.stride()[:3]
+        a.SINK_SLOTS = p.sink_k.shape[0]
+        if p.sink_slot is not None:
+            given.append(p.sink_slot)
+            keep.append(_i32(p.sink_slot))
+            a.sink_slot = keep[-1].data_ptr()
+    a.scale = p.sm_scale
+    copies = any(k is not g for k, g in zip(keep, given, strict=True))
+    return Prepared(a, keep, p, block_table, num_tiles, copies)
+
+
+def run(prep: Prepared, query: torch.Tensor, out: torch.Tensor) -> None:
+    """Native decode of ``query`` ``[B, Hq, D]`` (the shape and dtype ``prep`` was made for) into ``out``.
+
+    Raises:
+        KernelArgumentError: an index out of range (checked by the kernel before it reads anything).
+    """
+    lib = library()
+    assert lib is not None  # prepare() returned None without it
+    a = prep.args
+    dst = out if out.dtype == query.dtype and out.stride(-1) == 1 else torch.empty_like(query)
+    a.q, a.q_sb, a.q_sh = query.data_ptr(), query.stride(0), query.stride(1)
+    a.out, a.out_sb, a.out_sh = dst.data_ptr(), dst.stride(0), dst.stride(1)
+    bad = lib.kvarn_decode(ctypes.byref(a))
+    if bad:  # the host checks name the values; the kernel's code says which check failed
+        check_indices(prep.paged, prep.block_table, prep.num_tiles)
+        raise KernelArgumentError(_INDEX_ERRORS[bad])
+    if dst is not out:
+        out.copy_(dst)
+
+
 def decode(
     p: Paged, query: torch.Tensor, block_table: torch.Tensor, num_tiles: torch.Tensor, out: torch.Tensor
 ) -> bool:
@@ -165,44 +241,10 @@ def decode(
     Raises:
         KernelArgumentError: an index out of range (checked by the kernel before it reads anything).
     """
-    lib = library()
-    dtype = query.dtype
-    sink = p.sink_k is not None and p.sink_v is not None and p.sink_lens is not None
-    rows = [(p.tail_k, p.tail_v)] + ([(p.sink_k, p.sink_v)] if sink else [])
-    if lib is None or any(k is None or v is None or k.dtype != dtype or k.stride() != v.stride() for k, v in rows):
+    prep = prepare(p, query, block_table, num_tiles)
+    if prep is None:
         return False
-    bsz, hq, d = query.shape
-    h = p.cache.shape[1]
-    dst = out if out.dtype == dtype and out.stride(-1) == 1 else torch.empty_like(query)
-    a = _Args.from_buffer_copy(_static_args(p.scheme, d, dtype, p.sink_k.shape[2] if p.sink_k is not None else 0))
-    threads = torch.get_num_threads()
-    a.B, a.H, a.G, a.SPLITS, a.NTHREADS = bsz, h, hq // h, choose_splits(bsz, h, threads), threads
-    keep = [_i32(block_table), _i32(num_tiles), _i32(p.tail_lens)]
-    a.NUM_BLOCKS, a.BT_WIDTH, a.TAIL_SLOTS = p.cache.shape[0], block_table.shape[1], p.tail_k.shape[0]
-    a.cache, a.cache_sb, a.cache_sh = p.cache.data_ptr(), p.cache.stride(0), p.cache.stride(1)
-    a.block_table, a.bt_sb, a.num_tiles = keep[0].data_ptr(), keep[0].stride(0), keep[1].data_ptr()
-    a.q, a.q_sb, a.q_sh = query.data_ptr(), query.stride(0), query.stride(1)
-    a.tail_k, a.tail_v, a.tail_lens = p.tail_k.data_ptr(), p.tail_v.data_ptr(), keep[2].data_ptr()
-    a.tail_ss, a.tail_sh, a.tail_st = p.tail_k.stride()[:3]
-    if p.tail_slot is not None:
-        keep.append(_i32(p.tail_slot))
-        a.tail_slot = keep[-1].data_ptr()
-    if p.sink_k is not None and p.sink_v is not None and p.sink_lens is not None:
-        keep.append(_i32(p.sink_lens))
-        a.sink_k, a.sink_v, a.sink_lens = p.sink_k.data_ptr(), p.sink_v.data_ptr(), keep[-1].data_ptr()
-        a.sink_ss, a.sink_sh, a.sink_st = p.sink_k.stride()[:3]
-        a.SINK_SLOTS = p.sink_k.shape[0]
-        if p.sink_slot is not None:
-            keep.append(_i32(p.sink_slot))
-            a.sink_slot = keep[-1].data_ptr()
-    a.scale = p.sm_scale
-    a.out, a.out_sb, a.out_sh = dst.data_ptr(), dst.stride(0), dst.stride(1)
-    bad = lib.kvarn_decode(ctypes.byref(a))
-    if bad:  # the host checks name the values; the kernel's code says which check failed
-        check_indices(p, block_table, num_tiles)
-        raise KernelArgumentError(_INDEX_ERRORS[bad])
-    if dst is not out:
-        out.copy_(dst)
+    run(prep, query, out)
     return True
 
 
