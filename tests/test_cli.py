@@ -17,7 +17,9 @@ def test_presets_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
     by_name = {r["name"]: r for r in rows}
     ref = by_name["kvarn_k4v2_g128"]
     assert {"name", "key_bits", "value_bits", "group_size", "bits_per_element", "compression"} <= set(ref)
-    assert ref["bits_per_element"] == pytest.approx(3.375)
+    assert ref["bits_per_element"] == pytest.approx(3.375)  # the packed tiles
+    assert ref["sink_tokens"] == 1 and ref["context"] == 8192
+    assert ref["bits_per_element_at_context"] == pytest.approx(3.375 + 16 / 8192)  # + the exact first token
     assert ref["compression"] == pytest.approx(4.7407, rel=1e-4)
     assert by_name["kvarn_k4v2_g128_s8"]["bits_per_element"] < 3.375
 

@@ -114,10 +114,15 @@ def test_sink_tokens_field_is_optional_and_round_trips(tmp_path: Path) -> None:
     out = save_preset(Preset("tuned_sink", s), tmp_path / "t.yaml")
     assert "sink_tokens: 2" in out.read_text()
     assert load_preset(out).scheme == s
-    # files written before the field existed still load (sink_tokens 0)
+    # omitted: the Scheme default (1 exact first token); a sink tile needs no copies (0)
     src = tmp_path / "old.yaml"
+    src.write_text(GOOD.replace("sink_tile: true", "sink_tile: false"))
+    assert load_preset(src).scheme.sink_tokens == 1
     src.write_text(GOOD)
     assert load_preset(src).scheme.sink_tokens == 0
+    # written always, so a file means the same if the default changes again
+    out = save_preset(Preset("no_sink", Scheme(sink_tokens=0)), tmp_path / "n.yaml")
+    assert "sink_tokens: 0" in out.read_text() and load_preset(out).scheme == Scheme(sink_tokens=0)
     src.write_text(GOOD.replace("sink_tile: true", "sink_tile: false\nsink_tokens: 3"))
     with pytest.raises(PresetError, match="sink_tokens=3 is not allowed"):
         load_preset(src)

@@ -30,14 +30,14 @@ def test_reference_layout_matches_kvarn_paper() -> None:
 @pytest.mark.parametrize(
     "scheme",
     [
-        Scheme(k, v, g, rotation=r, norm_iters=it, scale_dtype=sd, sink_tile=sink)
-        for (k, v), g, r, it, sd, sink in itertools.product(
+        Scheme(k, v, g, rotation=r, norm_iters=it, scale_dtype=sd, sink_tile=sink == "tile", sink_tokens=n)
+        for (k, v), g, r, it, sd, (sink, n) in itertools.product(
             [(4, 2), (8, 3), (2, 4)],
             [32, 256],
             ["hadamard", "none", "rhadamard"],
             [0, 8, 32],
             ["fp16", "log8"],
-            [False, True],
+            [("tile", 0), ("tokens", 0), ("tokens", 1), ("tokens", 4)],
         )
     ]
     + [
@@ -111,7 +111,26 @@ def test_tile_bytes_formula() -> None:
         Scheme().tile_bytes(96)
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_exact_first_token_is_the_default_and_sink0_opts_out() -> None:
+    s = Scheme()
+    assert (s.sink_tokens, s.sink_tile, s.name) == (1, False, "kvarn_k4v2_g128")
+    assert all(b.sink_tokens == 1 and not b.sink_tile for b in BUILTINS.values())
+    off = Scheme(sink_tokens=0)
+    assert off.name == "kvarn_k4v2_g128_sink0" and Scheme.from_name(off.name) == off
+    assert Scheme.from_name("kvarn_k4v2_g128_s8_sink0_L3fp16").sink_tokens == 0
+    # the explicit spelling of the default, canonical before the default changed, still parses
+    assert Scheme.from_name("kvarn_k4v2_g128_sink1") == s
+    with pytest.raises(SchemeError, match="write it as 'kvarn_k4v2_g128'"):
+        Scheme.from_name("kvarn_k4v2_g128_sink01")
+    # a sink tile already keeps the first tokens exact: no exact copies beside it
+    tile = Scheme(sink_tile=True)
+    assert tile.sink_tokens == 0 and tile == Scheme(sink_tile=True, sink_tokens=0) and tile.name.endswith("_sink")
+    # the default's cost: 16 bits per sequence spread over the context
+    assert s.bits_per_element(128, context=8192) == pytest.approx(3.375 + 16 / 8192)
+    assert off.bits_per_element(128, context=8192) == 3.375
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 4, 8])
 def test_sink_tokens_name_round_trip_and_layout(n: int) -> None:
     s = Scheme.from_name(f"kvarn_k4v2_g128_s8_sink{n}_L3fp16")
     assert (s.sink_tokens, s.sink_tile, s.sink_len) == (n, False, n)
@@ -123,7 +142,7 @@ def test_sink_tokens_name_round_trip_and_layout(n: int) -> None:
 
 def test_sink_tile_and_tokens_exclude_each_other() -> None:
     with pytest.raises(SchemeError, match="exclude each other"):
-        Scheme(sink_tile=True, sink_tokens=1)
+        Scheme(sink_tile=True, sink_tokens=2)
     with pytest.raises(SchemeError, match="sink_tokens=3 is not allowed; allowed: 0, 1, 2, 4, 8"):
         Scheme(sink_tokens=3)
     assert Scheme.from_name("kvarn_k4v2_g128_sink").sink_len == 128
@@ -132,6 +151,7 @@ def test_sink_tile_and_tokens_exclude_each_other() -> None:
 def test_bits_per_element_spreads_the_sink_over_the_context() -> None:
     base = Scheme(4, 2, 128).bits_per_element(64)  # 3.5625
     assert Scheme(4, 2, 128, sink_tokens=1).bits_per_element(64, context=2048) == pytest.approx(base + 16 / 2048)
+    assert Scheme(4, 2, 128, sink_tokens=0).bits_per_element(64, context=2048) == base
     tile = Scheme(4, 2, 128, sink_tile=True)
     assert tile.bits_per_element(64) == base  # the packed tiles alone
     assert tile.bits_per_element(64, context=2048) == pytest.approx((128 * 16 + 1920 * base) / 2048)

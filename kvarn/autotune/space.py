@@ -86,9 +86,9 @@ class SearchSpace:
     Example:
         >>> space = SearchSpace(num_layers=4, ranking=(3, 0, 1, 2))
         >>> space.build({"kv": "k4v2", "group_size": 128, "rotation": "hadamard", "norm_iters": 8,
-        ...              "scale_dtype": "fp16", "sink": "0", "n_protect": 1, "protect_up": 2,
+        ...              "scale_dtype": "fp16", "sink": "1", "n_protect": 1, "protect_up": 2,
         ...              "n_demote": 2, "demote_down": 2}).name
-        'kvarn_k4v2_g128_L1-2k3v2_L3k4v4'
+        'kvarn_k4v2_g128_L1-2k2v2_L3k4v4'
     """
 
     num_layers: int
@@ -200,10 +200,10 @@ class SearchSpace:
         return self.build(self.suggest(trial))
 
     def seeds(self) -> list[dict[str, Any]]:
-        """Starting points enqueued before the sampler takes over: the shipped layout and two
-        cheaper neighbours (log8 scales and a one-token sink; 3-bit keys), where the space allows them."""
+        """Starting points enqueued before the sampler takes over: the shipped layout (with its exact
+        first token) and two cheaper neighbours (log8 scales; 3-bit keys), where the space allows them."""
         out = []
-        for kv, scale, sink in (("k4v2", "fp16", "0"), ("k4v2", "log8", "1"), ("k3v2", "log8", "1")):
+        for kv, scale, sink in (("k4v2", "fp16", "1"), ("k4v2", "log8", "1"), ("k3v2", "log8", "1")):
             g = 128 if 128 in self.group_sizes else max(self.group_sizes)
             if kv in self.pairs and scale in self.scale_dtypes:
                 p: dict[str, Any] = {

@@ -11,7 +11,8 @@ A preset file::
     norm_iters: 8              # 0..32 (0 = no normalization)
     scale_dtype: fp16          # fp16 or log8
     sink_tile: false           # keep the first tile of every sequence unquantized
-    sink_tokens: 0             # optional: 0, 1, 2, 4 or 8 first tokens also kept exactly
+    sink_tokens: 1             # 0, 1, 2, 4 or 8 first tokens also kept exactly; optional, default 1
+                               # (files written before that default was 0 should say 0 to keep it)
     layers:                    # optional per-layer overrides
       - {layers: "0-1", key_bits: 8, value_bits: 4}
       - {layers: 29, unquantized: true}
@@ -40,7 +41,7 @@ from kvarn.schemes.scheme import LayerOverride, Scheme, SchemeError
 
 SCHEMA_VERSION = 1
 _SCHEME_FIELDS = ("key_bits", "value_bits", "group_size", "rotation", "norm_iters", "scale_dtype", "sink_tile")
-_OPTIONAL_SCHEME_FIELDS = ("sink_tokens",)  # optional: older presets omit them (default 0)
+_OPTIONAL_SCHEME_FIELDS = ("sink_tokens",)  # optional: omitted means the Scheme default (1)
 _OPTIONAL = ("layers", "description", "provenance", "kernel_config")
 _ALLOWED_KEYS = ("version", "name", *_SCHEME_FIELDS, *_OPTIONAL_SCHEME_FIELDS, *_OPTIONAL)
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -161,7 +162,7 @@ def preset_to_dict(preset: Preset) -> dict[str, Any]:
     s = preset.scheme
     data: dict[str, Any] = {"version": SCHEMA_VERSION, "name": preset.name}
     data.update({k: getattr(s, k) for k in _SCHEME_FIELDS})
-    data.update({k: getattr(s, k) for k in _OPTIONAL_SCHEME_FIELDS if getattr(s, k)})
+    data.update({k: getattr(s, k) for k in _OPTIONAL_SCHEME_FIELDS})  # always written: defaults can change
     if s.overrides:
         data["layers"] = [
             {"layers": f"{o.first}-{o.last}", "unquantized": True}

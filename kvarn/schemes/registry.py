@@ -16,6 +16,8 @@ from pathlib import Path
 from kvarn.schemes.presets import Preset, PresetError, load_preset
 from kvarn.schemes.scheme import Scheme, SchemeError
 
+# Every built-in keeps the first token of each sequence exactly (Scheme.sink_tokens defaults to 1);
+# ``<name>_sink0`` is the same layout without it.
 BUILTINS: dict[str, Scheme] = {
     s.name: s
     for s in (
@@ -26,7 +28,7 @@ BUILTINS: dict[str, Scheme] = {
         Scheme(2, 2, 128),
         Scheme(3, 2, 128),
         Scheme(4, 3, 128),
-        Scheme(4, 2, 128, scale_dtype="log8"),  # smaller scales: 3.19 bits/element at head_dim 128
+        Scheme(4, 2, 128, scale_dtype="log8"),  # smaller scales: 3.19 bits/element at head_dim 128 (tiles)
     )
 }
 

@@ -9,21 +9,29 @@ Canonical names::
     kvarn_k{K}v{V}_g{G}[_rot-none|_rot-rh][_it{N}][_s8][_sink|_sink{S}][_L{a}[-{b}]k{K}v{V}|_L{a}[-{b}]fp16 ...]
 
 ``kvarn_k4v2_g128`` is 4-bit keys, 2-bit values, 128-token tiles with every other option at its
-default (Hadamard rotation, 8 normalization iterations, fp16 scales, no sink tile, no per-layer
-overrides). Each non-default option adds exactly one suffix, in the order above, so
-``Scheme.from_name(s.name) == s`` for every scheme.
+default (Hadamard rotation, 8 normalization iterations, fp16 scales, the first token of each
+sequence kept exactly, no per-layer overrides). Each non-default option adds exactly one suffix, in
+the order above, so ``Scheme.from_name(s.name) == s`` for every scheme; ``_sink0`` opts out of the
+exact first token, ``_sink2``/``_sink4``/``_sink8`` keep more, ``_sink`` keeps the whole first tile.
 
 Two ways to protect the attention sink (the first tokens of a sequence, which most heads attend to
 heavily, so their rounding error is not averaged away):
 
 * ``_sink`` (``sink_tile``): the whole first tile stays unquantized; packed tiles start after it.
-* ``_sink{S}`` (``sink_tokens=S``, S in 1, 2, 4, 8): every tile is packed as usual (tile 0
-  included, so page alignment and record layout do not change), and the first ``S`` tokens are
-  *also* kept exactly (model dtype); readers use the exact copies instead of their quantized ones.
-  Cost: ``S`` tokens x keys and values x ``head_dim`` x 16 bits per layer, KV head and sequence.
+* ``sink_tokens=S`` (S in 0, 1, 2, 4, 8; default 1, spelled ``_sink{S}`` otherwise): every tile is
+  packed as usual (tile 0 included, so page alignment and record layout do not change), and the
+  first ``S`` tokens are *also* kept exactly (model dtype); readers use the exact copies instead of
+  their quantized ones. Cost: ``S`` tokens x keys and values x ``head_dim`` x 16 bits per layer, KV
+  head and sequence (+0.002 bits/element at 8192 tokens for S = 1).
+
+The default keeps one exact token because it is most of what a sink buys, measured on more than one
+text (docs/accuracy.md, "Exact first tokens by default"): KL of ``kvarn_k4v2_g128`` without it / with
+S = 1 / with S = 4 on the first 2048 tokens of GPL-3 0.0360 / 0.0159 / 0.0161, of GFDL-1.3 0.0385 /
+0.0184 / 0.0183; over 8192 tokens of GPL-3 + Apache-2.0 0.0454 / 0.0211 (the whole first tile 0.0200).
 
 Both are per-sequence costs outside :meth:`Scheme.bits_per_element` unless it is given the
-``context`` length to spread them over.
+``context`` length to spread them over. With a sink tile, ``sink_tokens`` is 0: the tile already keeps
+the first tokens exact (so ``Scheme(sink_tile=True)`` needs no ``sink_tokens=0``).
 
 Example:
     >>> s = Scheme.from_name("kvarn_k4v2_g128")
@@ -31,6 +39,8 @@ Example:
     3.375
     >>> Scheme(key_bits=3, value_bits=2, scale_dtype="log8").name
     'kvarn_k3v2_g128_s8'
+    >>> Scheme(sink_tokens=0).name
+    'kvarn_k4v2_g128_sink0'
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ ALLOWED_SCALE_DTYPES: tuple[str, ...] = ("fp16", "log8")
 ALLOWED_SINK_TOKENS: tuple[int, ...] = (0, 1, 2, 4, 8)
 MAX_NORM_ITERS = 32
 DEFAULT_NORM_ITERS = 8
+DEFAULT_SINK_TOKENS = 1  # exact first tokens by default; why 1, see the module docstring
 
 Rotation = Literal["hadamard", "none", "rhadamard"]
 ScaleDtype = Literal["fp16", "log8"]
@@ -105,7 +116,7 @@ class Scheme:
     scale_dtype: ScaleDtype = "fp16"
     sink_tile: bool = False
     overrides: tuple[LayerOverride, ...] = field(default=())
-    sink_tokens: int = 0  # last, so positional construction of older code keeps working
+    sink_tokens: int = DEFAULT_SINK_TOKENS  # last, so positional construction of older code keeps working
 
     def __post_init__(self) -> None:
         _check_choice("key_bits", self.key_bits, ALLOWED_BITS)
@@ -120,11 +131,13 @@ class Scheme:
         if not isinstance(self.sink_tile, bool):
             raise SchemeError(f"sink_tile={self.sink_tile!r} must be true or false")
         _check_choice("sink_tokens", self.sink_tokens, ALLOWED_SINK_TOKENS)
-        if self.sink_tile and self.sink_tokens:
-            raise SchemeError(
-                f"sink_tile and sink_tokens={self.sink_tokens} exclude each other: the sink tile already keeps "
-                "the first tile unquantized; choose one"
-            )
+        if self.sink_tile:
+            if self.sink_tokens not in (0, DEFAULT_SINK_TOKENS):
+                raise SchemeError(
+                    f"sink_tile and sink_tokens={self.sink_tokens} exclude each other: the sink tile already keeps "
+                    "the first tile unquantized; choose one"
+                )
+            object.__setattr__(self, "sink_tokens", 0)  # the tile covers the default exact first token
         ordered = tuple(sorted(self.overrides, key=lambda o: o.first))
         for a, b in zip(ordered, ordered[1:], strict=False):
             if b.first <= a.last:
@@ -142,14 +155,19 @@ class Scheme:
         parts.append(_SCALE_SUFFIX.get(self.scale_dtype, ""))
         if self.sink_tile:
             parts.append("_sink")
-        elif self.sink_tokens:
+        elif self.sink_tokens != DEFAULT_SINK_TOKENS:
             parts.append(f"_sink{self.sink_tokens}")
         parts.extend(o.suffix for o in self.overrides)
         return "".join(parts)
 
     @classmethod
     def from_name(cls, name: str) -> Scheme:
-        """Parse a canonical name. Raises :class:`SchemeError` naming the part that is wrong."""
+        """Parse a canonical name. Raises :class:`SchemeError` naming the part that is wrong.
+
+        The explicit spelling of the default sink (``_sink1``, canonical before exact first tokens
+        became the default) is accepted too: ``from_name("kvarn_k4v2_g128_sink1").name`` is
+        ``"kvarn_k4v2_g128"``.
+        """
         m = _NAME_RE.fullmatch(name)
         if m is None:
             raise SchemeError(
@@ -171,11 +189,14 @@ class Scheme:
             rotation=rotation,  # type: ignore[arg-type]
             norm_iters=int(m["it"]) if m["it"] else DEFAULT_NORM_ITERS,
             scale_dtype="log8" if m["s8"] else "fp16",
-            sink_tile=bool(m["sink"]) and not m["sinkn"],
-            sink_tokens=int(m["sinkn"]) if m["sinkn"] else 0,
+            sink_tile=bool(m["sink"]) and m["sinkn"] is None,
+            sink_tokens=int(m["sinkn"]) if m["sinkn"] is not None else (0 if m["sink"] else DEFAULT_SINK_TOKENS),
             overrides=tuple(overrides),
         )
-        if scheme.name != name:  # e.g. "_it8" spelled out, or overrides out of order
+        spelled = name
+        if m["sinkn"] == str(DEFAULT_SINK_TOKENS):
+            spelled = name[: m.start("sink")] + name[m.end("sink") :]
+        if scheme.name != spelled:  # e.g. "_it8" spelled out, or overrides out of order
             raise SchemeError(f"{name!r} is not canonical; write it as {scheme.name!r}")
         return scheme
 

@@ -53,7 +53,7 @@ def kv(s: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_full_tiles_are_packed_records_and_read_back_from_them() -> None:
-    scheme = Scheme.from_name("kvarn_k4v2_g64")
+    scheme = Scheme.from_name("kvarn_k4v2_g64_sink0")
     cache = KVarNCache(scheme, tiny_config())
     k, v = kv(141)
     outs = feed(cache, k, v, [50, 30, 60, 1])
@@ -77,7 +77,7 @@ def test_full_tiles_are_packed_records_and_read_back_from_them() -> None:
 
 
 def test_quantize_before_read_reads_own_tile_quantized() -> None:
-    scheme = Scheme.from_name("kvarn_k4v2_g64")
+    scheme = Scheme.from_name("kvarn_k4v2_g64_sink0")
     cache = KVarNCache(scheme, tiny_config(), quantize_before_read=True)
     k, v = kv(128, seed=1)
     (k_all, _), (k2, _) = feed(cache, k, v, [60, 68])
@@ -87,7 +87,7 @@ def test_quantize_before_read_reads_own_tile_quantized() -> None:
 
 
 def test_nbytes_equals_the_scheme_formula() -> None:
-    scheme = Scheme.from_name("kvarn_k4v2_g64")
+    scheme = Scheme.from_name("kvarn_k4v2_g64_sink0")
     cache = KVarNCache(scheme, tiny_config(layers=3))
     for layer in range(3):
         k, v = kv(150, seed=layer)
@@ -201,12 +201,12 @@ def test_fp16_generate_matches_dynamic_cache_and_quantized_generate_runs() -> No
     a = model.generate(ids, past_key_values=DynamicCache(), **kw)
     b = model.generate(ids, past_key_values=KVarNCache("fp16", model.config), **kw)
     assert torch.equal(a, b)
-    cache = KVarNCache("kvarn_k4v2_g32", model.config)
+    cache = KVarNCache("kvarn_k4v2_g32_sink0", model.config)
     c = model.generate(ids, past_key_values=cache, **kw)
     assert c.shape == (1, 50)
     length = 49  # the last generated token is never fed back
     assert cache.get_seq_length() == length
-    s = Scheme.from_name("kvarn_k4v2_g32")
+    s = Scheme.from_name("kvarn_k4v2_g32_sink0")
     heads = model.config.num_key_value_heads
     layers, tiles, tail = 2, length // 32, length % 32
     assert cache.nbytes() == layers * heads * (tiles * s.tile_bytes(D) + tail * D * 2 * 4)

@@ -47,13 +47,13 @@ def test_quantized_cache_changes_the_logits_and_generates(model_and_ids: tuple[A
     quant = chunked_logits(model, ids, KVarNCache("kvarn_k4v4_g64", model.config), 64)
     assert torch.equal(plain[:, :64], quant[:, :64])  # the first chunk reads nothing quantized
     assert not torch.allclose(plain[:, 64:], quant[:, 64:], atol=1e-3)  # later chunks read tiles
-    cache = KVarNCache("kvarn_k4v2_g64", model.config)
+    cache = KVarNCache("kvarn_k4v2_g64_sink0", model.config)
     out = model.generate(ids[:, :100], past_key_values=cache, max_new_tokens=30, do_sample=False)
     assert out.shape == (1, 130)
     length = cache.get_seq_length()
     assert length == 129
     tiles, tail = divmod(length, 64)
-    s = Scheme.from_name("kvarn_k4v2_g64")
+    s = Scheme.from_name("kvarn_k4v2_g64_sink0")
     expected_q = s.tile_bytes(D) * tiles * KV_HEADS * LAYERS
     expected_u = tail * KV_HEADS * D * 2 * 4 * LAYERS  # keys and values, float32
     assert cache.nbytes_breakdown()["quantized"] == expected_q

@@ -83,7 +83,7 @@ def test_quantized_sliding_layer_drops_whole_tiles_behind_the_window() -> None:
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_full_layers_store_codec_records_at_every_head_dim(head_dim: int) -> None:
-    scheme = Scheme.from_name("kvarn_k4v2_g64")
+    scheme = Scheme.from_name("kvarn_k4v2_g64_sink0")
     cache = KVarNCache(scheme, gemma(head_dim=head_dim))
     k, v = kv(130, head_dim, seed=2)
     cache.update(k[:, :, :100], v[:, :, :100], 5)  # layer 5: full attention

@@ -105,7 +105,7 @@ def test_split_k_is_chosen_automatically_for_long_contexts_and_small_batches() -
 
 def test_split_lengths() -> None:
     lens = torch.tensor([0, 5, 64, 64 + 31, 3 * 64])
-    tiles, tails, sinks = split_lengths(lens, named("kvarn_k4v2_g64"))
+    tiles, tails, sinks = split_lengths(lens, named("kvarn_k4v2_g64_sink0"))
     assert sinks is None and tiles.tolist() == [0, 0, 1, 1, 3] and tails.tolist() == [0, 5, 0, 31, 0]
     tiles, tails, sinks = split_lengths(lens, named("kvarn_k4v2_g64_sink"))
     assert sinks is not None and sinks.tolist() == [0, 5, 64, 64, 64]
@@ -126,7 +126,7 @@ def test_decode_fp16_query_and_tail() -> None:
 
 
 def test_decode_rejects_bad_arguments() -> None:
-    scheme = named("kvarn_k4v2_g32")
+    scheme = named("kvarn_k4v2_g32_sink0")
     pb = paged_batch(scheme, [40], 2, 64)
     q = torch.randn(1, 6, 64, device=DEVICE)
     with pytest.raises(KernelArgumentError, match="multiple of num_kv_heads"):
