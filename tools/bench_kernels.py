@@ -97,7 +97,11 @@ def flash_us(bench: Bench, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
 def _kvarn_row(
     bench: Bench, name: str, batch: int, context: int, hq: int, hkv: int, d: int, copy_gbs: float, dev: str
 ) -> Row:
-    """Time kvarn decode over a packed paged cache of ``context`` tokens per sequence."""
+    """Time kvarn decode over a packed paged cache of ``context`` tokens per sequence.
+
+    Schemes that keep exact first tokens (every built-in, by default) or a sink tile read them from a
+    per-sequence sink, as served: a sink tile replaces the first packed tile.
+    """
     from kvarn.codec import quantize_tiles
     from kvarn.kernels import choose_num_splits, decode_attention
     from kvarn.kernels.configs import decode_bytes
@@ -105,7 +109,7 @@ def _kvarn_row(
 
     scheme = get_scheme(name)
     t, tb = scheme.group_size, scheme.tile_bytes(d)
-    tiles = context // t
+    tiles = context // t - (1 if scheme.sink_tile else 0)  # packed tiles
     # a few valid records repeated over the whole cache (timing does not depend on the values)
     seed_k, seed_v = torch.randn(2, 16, t, d).unbind(0)
     recs = quantize_tiles(seed_k, seed_v, scheme).to(dev)
@@ -114,14 +118,32 @@ def _kvarn_row(
     num_tiles = torch.full((batch,), tiles, dtype=torch.int32, device=dev)
     tail = torch.randn(batch, hkv, t, d, dtype=torch.float16, device=dev)
     tail_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
+    sink_k = sink_lens = None
+    if scheme.sink_len:
+        sink_k = torch.randn(batch, hkv, scheme.sink_len, d, dtype=torch.float16, device=dev)
+        sink_lens = torch.full((batch,), scheme.sink_len, dtype=torch.int32, device=dev)
     q = torch.randn(batch, hq, d, dtype=torch.float16, device=dev)
     out = torch.empty_like(q)
     splits = choose_num_splits(batch, hkv, tiles, torch.device(dev))
     us = bench(
-        lambda: decode_attention(q, cache, table, num_tiles, tail, tail, tail_lens, scheme, num_splits=splits, out=out)
+        lambda: decode_attention(
+            q,
+            cache,
+            table,
+            num_tiles,
+            tail,
+            tail,
+            tail_lens,
+            scheme,
+            sink_k=sink_k,
+            sink_v=sink_k,
+            sink_lens=sink_lens,
+            num_splits=splits,
+            out=out,
+        )
     )
     # every byte the call moves (records, query, output, split partials, metadata), from its arguments
-    moved = decode_bytes(scheme, [tiles * t] * batch, hkv, hq, d, splits, pools=False).total
+    moved = decode_bytes(scheme, [context // t * t] * batch, hkv, hq, d, splits, pools=False).total
     return Row(name, batch, context, "kvarn", us * 1e3, moved, copy_gbs)
 
 
