@@ -3,8 +3,10 @@
 Two kinds, one pool (``[num_slots, num_kv_heads, capacity, head_dim]`` keys and values per layer,
 model dtype, unrotated):
 
-* ``sink_tokens = S`` (``_sink1`` ... ``_sink8``): capacity ``S``. Every tile is packed as without
-  a sink (tile 0 included); attention over the packed tile 0 takes positions ``0..S-1`` from the slot.
+* ``sink_tokens = S`` (S = 1 in every plain name such as ``kvarn_k4v2_g128``, the default;
+  ``_sink2`` ... ``_sink8``): capacity ``S``. Every tile is packed as without a sink (tile 0
+  included); attention over the packed tile 0 takes positions ``0..S-1`` from the slot.
+  ``_sink0`` names keep no exact token and get no pool.
 * ``sink_tile`` (``_sink``, KVarN's behaviour): capacity ``group_size``. The whole first tile stays
   16-bit for the request's life: attention reads it from the slot, then packed tiles ``1..``. Its
   page is written (quantized) all the same, so a request whose copies were reclaimed still reads
