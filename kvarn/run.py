@@ -117,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="model alias or local Hugging Face folder")
     p.add_argument(
         "--schemes",
-        default="all,kvarn_k4v2_g128_sink1",
-        help="schemes for the accuracy step (default: all built-ins and baselines, plus kvarn_k4v2_g128_sink1)",
+        default="all,kvarn_k4v2_g128_sink0",
+        help="schemes for the accuracy step (default: all built-ins, each with its exact first token, and baselines, plus kvarn_k4v2_g128_sink0 without it)",
     )
     p.add_argument("--tokens", type=int, default=1024, help="accuracy step: tokens of the text (default 1024)")
     p.add_argument("--greedy-tokens", type=int, default=64, help="accuracy step: greedy continuation (default 64)")
