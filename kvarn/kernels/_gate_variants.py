@@ -1,7 +1,8 @@
 """The kernel variants the compile gate (:mod:`kvarn.kernels.gate`) builds, and how it launches each.
 
 A variant is one call of a real launcher in :mod:`kvarn.kernels.ops` with small CPU tensors shaped
-like a serving step (8 KV heads, 2 sequences of 3 packed tiles and a partial tail); under the
+like a serving step (8 KV heads, 2 sequences of 3 packed tiles and a partial tail, plus the exact
+first tokens or sink tile when the scheme keeps them, as every built-in does); under the
 gate's stand-in driver every kernel that call launches is compiled instead.
 """
 
@@ -19,6 +20,9 @@ HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 4, 7, 8)  # query heads per KV head; 7 is not a power of two
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 KV_HEADS = 8
+# Every built-in keeps exact first tokens (the kernels' HAS_SINK specialization); this opt-out keeps
+# the specialization without a sink compiled too.
+NO_SINK = "kvarn_k4v2_g128_sink0"
 
 
 @dataclass(frozen=True)
@@ -49,14 +53,14 @@ class Variant:
 
 
 def full_variants(archs: tuple[int, ...] = (90, 80)) -> list[Variant]:
-    """Every built-in preset x head_dim 64/128/256 x query groups 1/4/7/8 x fp16/bf16 x arch.
+    """Every built-in preset (and :data:`NO_SINK`) x head_dim 64/128/256 x query groups 1/4/7/8 x fp16/bf16 x arch.
 
     Decode with and without split-K; decode and prefill read the tail pool by slot (the vLLM path)
     at every group, and per sequence at group 1.
     """
     out = []
     for arch in archs:
-        for name in BUILTINS:
+        for name in (*BUILTINS, NO_SINK):
             for d in HEAD_DIMS:
                 for dt in DTYPES:
                     out.append(Variant(arch, "store", name, d, dt))
@@ -69,7 +73,8 @@ def full_variants(archs: tuple[int, ...] = (90, 80)) -> list[Variant]:
 
 
 def quick_variants(archs: tuple[int, ...] = (90, 80)) -> list[Variant]:
-    """Each kernel at each head_dim on each arch (the subset ``make test`` runs)."""
+    """Each kernel at each head_dim on each arch (the subset ``make test`` runs), with the default
+    exact first token; decode and prefill also without a sink (:data:`NO_SINK`) at head_dim 128."""
     out = []
     for arch in archs:
         for d in HEAD_DIMS:
@@ -79,6 +84,7 @@ def quick_variants(archs: tuple[int, ...] = (90, 80)) -> list[Variant]:
                 Variant(arch, "decode", "kvarn_k4v2_g128", d, "fp16", 4, 4, pool=False),
                 Variant(arch, "prefill", "kvarn_k4v2_g128", d, "bf16", 4),
             ]
+        out += [Variant(arch, "decode", NO_SINK, 128, "bf16", 7, 1), Variant(arch, "prefill", NO_SINK, 128, "bf16", 4)]
     return out
 
 
@@ -98,6 +104,11 @@ def launch(v: Variant) -> None:
     tail = torch.zeros(bsz + 1 if v.pool else bsz, h, t, d, dtype=dt)
     tail_lens = torch.full((bsz,), 5, dtype=i32)
     kw: dict[str, Any] = {"tail_slot": torch.arange(1, bsz + 1, dtype=i32)} if v.pool else {}
+    if scheme.sink_len:  # exact first tokens (the default) or a sink tile: the sink pool, read like the tail
+        sink = torch.zeros(bsz + 1 if v.pool else bsz, h, scheme.sink_len, d, dtype=dt)
+        kw.update(sink_k=sink, sink_v=sink, sink_lens=torch.full((bsz,), scheme.sink_len, dtype=i32))
+        if v.pool:
+            kw["sink_slot"] = torch.arange(1, bsz + 1, dtype=i32)
     hq = h * v.group
     if v.op == "decode":
         q = torch.zeros(bsz, hq, d, dtype=dt)
