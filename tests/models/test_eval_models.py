@@ -26,11 +26,13 @@ TOKENS, CHUNK, D = 320, 64, 256
 
 def expected_bits(scheme: str, tokens: int) -> float:
     """Bits per held number after ``tokens``: 5 sliding layers hold ``WINDOW - 1`` tokens at 16
-    bits; the full layer holds packed tiles and a 16-bit tail (one KV head, head_dim 256)."""
+    bits; the full layer holds packed tiles, a 16-bit tail and the exact first tokens beside its
+    packed tile 0 (one KV head, head_dim 256)."""
     s = Scheme.from_name(scheme)
     tiles, tail = divmod(tokens, s.group_size)
     sliding = 5 * (WINDOW - 1)
-    bits = 8 * tiles * s.tile_bytes(D) + 16 * 2 * D * (tail + sliding)
+    exact = s.sink_tokens if tiles else 0
+    bits = 8 * tiles * s.tile_bytes(D) + 16 * 2 * D * (tail + sliding + exact)
     return bits / (2 * D * (tokens + sliding))
 
 
