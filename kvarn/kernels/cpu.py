@@ -112,6 +112,7 @@ def prefill_attention(
     sink_lens: torch.Tensor | None = None,
     sink_slot: torch.Tensor | None = None,
     sm_scale: float | None = None,
+    max_query_len: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens (a prefill or a chunk of one) over cached context plus themselves.
@@ -128,6 +129,7 @@ def prefill_attention(
         cache, block_table, num_tiles, tail_k, tail_v, tail_lens, scheme, tail_slot, sink_k,
             sink_v, sink_lens, sink_slot, sm_scale: as in :func:`decode_attention`, but
             ``tail_lens`` may be 0.
+        max_query_len: accepted for the Triton launcher's signature; unused (lengths are read here).
         out: optional ``[N, Hq, D]`` output buffer.
 
     Returns:

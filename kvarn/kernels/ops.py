@@ -84,9 +84,14 @@ def _check_scheme(scheme: Scheme, head_dim: int) -> None:
 
 
 def _check_cache(cache: torch.Tensor, scheme: Scheme, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
+    """Records may lie in wider pages (``pages[:, :, :tile_bytes]`` of a mixed-bit preset's layer):
+    the kernels take the block and head strides; records must not overlap."""
     check_tensor("cache", cache, (None, num_kv_heads, scheme.tile_bytes(head_dim)), (torch.uint8,), device)
-    if cache.stride(1) != cache.shape[2]:
-        raise KernelArgumentError(f"cache must be contiguous in its last two axes, got strides {cache.stride()}")
+    if cache.stride(1) < cache.shape[2] or cache.stride(0) < cache.stride(1) * num_kv_heads:
+        raise KernelArgumentError(
+            f"cache records overlap: strides {cache.stride()} for shape {list(cache.shape)} (each head's record "
+            f"needs {cache.shape[2]} bytes, each block {num_kv_heads} records)"
+        )
 
 
 def store_tiles(

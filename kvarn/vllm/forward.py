@@ -116,5 +116,8 @@ def run_layer(
     if st.decode:
         ops.decode_attention(q, *paged, tail_slot=st.tail_slot, sm_scale=scale, out=o, **sinks)
     else:
-        ops.prefill_attention(q, k, v, st.cu_seqlens, *paged, tail_slot=st.tail_slot, sm_scale=scale, out=o, **sinks)
+        ops.prefill_attention(
+            q, k, v, st.cu_seqlens, *paged, tail_slot=st.tail_slot, sm_scale=scale,
+            max_query_len=st.max_query_len, out=o, **sinks,
+        )  # fmt: skip
     _write(stage, k, v, st.stage_post)

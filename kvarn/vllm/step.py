@@ -35,6 +35,7 @@ class StepTensors:
     """Device tensors of one step (``R`` attention rows: segments, or requests in a decode step)."""
 
     num_tokens: int  # tokens of the step's flattened query that belong to requests
+    max_query_len: int  # the most query tokens of any row (the prefill grid; 1 in decode)
     decode: bool  # decode_attention (one token per request) instead of prefill_attention
     cu_seqlens: torch.Tensor  # [R + 1] int32 query offsets of the rows (unused in decode)
     block_table: torch.Tensor  # [R, W] int32 packed tiles each row reads
@@ -148,6 +149,7 @@ def build_step(
     blocks = f_blocks + f_blocks_tok
     return StepTensors(
         num_tokens=cu[-1],
+        max_query_len=max((b - a for a, b in zip(cu, cu[1:], strict=False)), default=0),
         decode=decode,
         cu_seqlens=i32(cu),
         block_table=table,

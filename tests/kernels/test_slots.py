@@ -6,6 +6,8 @@ Every case is checked against float64 attention over the reference-dequantized c
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -168,3 +170,25 @@ def test_sink_arguments_for_a_scheme_without_sink_are_refused() -> None:
             q, pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, s,
             sink_k=pb.tail_k, sink_v=pb.tail_v, sink_lens=pb.tail_lens,
         )  # fmt: skip
+
+
+def test_records_in_wider_pages() -> None:
+    """A layer's records inside wider pages (``pages[:, :, :tile_bytes]``, as a mixed-bit preset's
+    narrower layers are served) give the same decode and prefill outputs as a contiguous cache."""
+    s = named("kvarn_k4v2_g32_sink2")
+    pb = paged_batch(s, [70, 40], hkv=2, d=64, seed=12)
+    nb, h, rec = pb.cache.shape
+    pages = torch.full((nb, h, rec + 24), 0xA5, dtype=torch.uint8, device=pb.cache.device)  # garbage after each
+    pages[:, :, :rec] = pb.cache
+    narrow = pages[:, :, :rec]
+    assert narrow.stride(1) == rec + 24
+    pools = to_pools(pb, s, spare=1)
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    want = _decode(s, pb, q, pools)
+    assert torch.equal(_decode(s, dataclasses.replace(pb, cache=narrow), q, pools), want)
+    out, _ = _prefill(s, dataclasses.replace(pb, cache=narrow), [3, 5], 2, pools)
+    ref, _ = _prefill(s, pb, [3, 5], 2, pools)
+    assert torch.equal(out, ref)
+    overlapping = pages.as_strided((nb, h, rec), (h * rec, rec // 2, 1))
+    with pytest.raises(KernelArgumentError, match="cache records overlap"):
+        _decode(s, dataclasses.replace(pb, cache=overlapping), q, pools)
