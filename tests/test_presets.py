@@ -85,7 +85,7 @@ def test_unknown_name_lists_valid_and_closest(monkeypatch: pytest.MonkeyPatch, t
         (("group_size: 64", "group_size: 100"), ["group_size=100", "32, 64, 128, 256"]),
         (("norm_iters: 4", "norm_iters: -1"), ["norm_iters=-1", "0..32"]),
         (("sink_tile: true", "sink_tile: true\ncolour: red"), ["unknown key(s) ['colour']"]),
-        (("version: 1", "version: 2"), ["version=2", "allowed: 1"]),
+        (("version: 1", "version: 3"), ["version=3", "allowed: 1, 2"]),
         (("scale_dtype: log8\n", ""), ["missing required field(s) ['scale_dtype']"]),
         (("value_bits: 4}", "value_bits: 6}"), ["layers[0]", "value_bits=6"]),
         (("name: my_preset", "name: kvarn_k4v2_g128"), ["canonical name of another scheme"]),
@@ -114,15 +114,23 @@ def test_sink_tokens_field_is_optional_and_round_trips(tmp_path: Path) -> None:
     out = save_preset(Preset("tuned_sink", s), tmp_path / "t.yaml")
     assert "sink_tokens: 2" in out.read_text()
     assert load_preset(out).scheme == s
-    # omitted: the Scheme default (1 exact first token); a sink tile needs no copies (0)
+    # omitted in version 2: the Scheme default (1 exact first token); a sink tile needs no copies (0)
     src = tmp_path / "old.yaml"
-    src.write_text(GOOD.replace("sink_tile: true", "sink_tile: false"))
+    v2 = GOOD.replace("version: 1", "version: 2")
+    src.write_text(v2.replace("sink_tile: true", "sink_tile: false"))
     assert load_preset(src).scheme.sink_tokens == 1
-    src.write_text(GOOD)
+    src.write_text(v2)
     assert load_preset(src).scheme.sink_tokens == 0
-    # written always, so a file means the same if the default changes again
+    # omitted in version 1 (written when no exact token was the default): 0, what the file meant then
+    src.write_text(GOOD.replace("sink_tile: true", "sink_tile: false"))
+    assert load_preset(src).scheme.sink_tokens == 0
+    src.write_text(GOOD.replace("sink_tile: true", "sink_tile: false\nsink_tokens: 1"))
+    assert load_preset(src).scheme.sink_tokens == 1
+    # written always, in version 2, so a file means the same if the default changes again
     out = save_preset(Preset("no_sink", Scheme(sink_tokens=0)), tmp_path / "n.yaml")
-    assert "sink_tokens: 0" in out.read_text() and load_preset(out).scheme == Scheme(sink_tokens=0)
+    text = out.read_text()
+    assert text.startswith("version: 2\n") and "sink_tokens: 0" in text
+    assert load_preset(out).scheme == Scheme(sink_tokens=0)
     src.write_text(GOOD.replace("sink_tile: true", "sink_tile: false\nsink_tokens: 3"))
     with pytest.raises(PresetError, match="sink_tokens=3 is not allowed"):
         load_preset(src)

@@ -1,8 +1,8 @@
-"""YAML presets <-> schemes (schema version 1), loaded with OmegaConf.
+"""YAML presets <-> schemes (schema version 2; version 1 still loads), loaded with OmegaConf.
 
 A preset file::
 
-    version: 1                 # schema version, required
+    version: 2                 # schema version, required: 2 (written now) or 1
     name: kvarn_smollm2_1pct   # the name it is served by, required ([A-Za-z0-9_.-]+)
     key_bits: 4                # 2, 3, 4 or 8
     value_bits: 2              # 2, 3, 4 or 8
@@ -11,8 +11,9 @@ A preset file::
     norm_iters: 8              # 0..32 (0 = no normalization)
     scale_dtype: fp16          # fp16 or log8
     sink_tile: false           # keep the first tile of every sequence unquantized
-    sink_tokens: 1             # 0, 1, 2, 4 or 8 first tokens also kept exactly; optional, default 1
-                               # (files written before that default was 0 should say 0 to keep it)
+    sink_tokens: 1             # 0, 1, 2, 4 or 8 first tokens also kept exactly; optional: omitted
+                               # means 1 in version 2, 0 in version 1 (written before 2026-12-01,
+                               # when no exact token was the default), so old files keep their meaning
     layers:                    # optional per-layer overrides
       - {layers: "0-1", key_bits: 8, value_bits: 4}
       - {layers: 29, unquantized: true}
@@ -39,9 +40,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvarn.schemes.scheme import LayerOverride, Scheme, SchemeError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: exact first tokens by default (Scheme.sink_tokens = 1); files write sink_tokens
+SUPPORTED_VERSIONS = (1, 2)
+# Defaults of the fields a version omits, where they differ from today's Scheme defaults.
+_VERSION_DEFAULTS: dict[int, dict[str, Any]] = {1: {"sink_tokens": 0}}
 _SCHEME_FIELDS = ("key_bits", "value_bits", "group_size", "rotation", "norm_iters", "scale_dtype", "sink_tile")
-_OPTIONAL_SCHEME_FIELDS = ("sink_tokens",)  # optional: omitted means the Scheme default (1)
+_OPTIONAL_SCHEME_FIELDS = ("sink_tokens",)  # optional: omitted means the version's default (_VERSION_DEFAULTS)
 _OPTIONAL = ("layers", "description", "provenance", "kernel_config")
 _ALLOWED_KEYS = ("version", "name", *_SCHEME_FIELDS, *_OPTIONAL_SCHEME_FIELDS, *_OPTIONAL)
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -98,22 +102,24 @@ def _parse_overrides(path: str, items: Any) -> tuple[LayerOverride, ...]:
 
 
 def preset_from_dict(data: dict[str, Any], path: str = "<dict>") -> Preset:
-    """Validate a preset mapping (schema version 1) and build the :class:`Preset`."""
+    """Validate a preset mapping (schema version 2 or 1) and build the :class:`Preset`."""
     unknown = sorted(set(data) - set(_ALLOWED_KEYS))
     if unknown:
         raise _fail(path, f"unknown key(s) {unknown}; allowed: {', '.join(_ALLOWED_KEYS)}")
     missing = [k for k in ("version", "name", *_SCHEME_FIELDS) if k not in data]
     if missing:
         raise _fail(path, f"missing required field(s) {missing}")
-    if data["version"] != SCHEMA_VERSION:
-        raise _fail(path, f"version={data['version']!r} is not supported; allowed: {SCHEMA_VERSION}")
+    version = data["version"]
+    if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
+        raise _fail(path, f"version={version!r} is not supported; allowed: {', '.join(map(str, SUPPORTED_VERSIONS))}")
+    optional = {**_VERSION_DEFAULTS.get(version, {}), **{k: data[k] for k in _OPTIONAL_SCHEME_FIELDS if k in data}}
     name = data["name"]
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise _fail(path, f"name={name!r} must match [A-Za-z0-9_.-]+")
     try:
         scheme = Scheme(
             **{k: data[k] for k in _SCHEME_FIELDS},
-            **{k: data[k] for k in _OPTIONAL_SCHEME_FIELDS if k in data},
+            **optional,
             overrides=_parse_overrides(path, data.get("layers", [])),
         )
     except SchemeError as e:
