@@ -10,6 +10,12 @@ Knobs:
         ``"none"``, ``"factor"`` (the per-token key factor / per-channel value factor),
         ``"affine"`` (the per-slice scale and zero point), ``"both"`` (affine, then factor).
     select: how the best normalization iterate is chosen: ``"mse"`` (reference), ``"last"``.
+    levels: where the codes sit in each quantized slice (same bytes: two fp16 numbers and the codes):
+        ``"uniform"`` (reference: min-max affine, ``code * scale + lo``), ``"gauss"`` (Lloyd-Max
+        levels of a unit Gaussian around the slice's mean, times its standard deviation: the
+        MSE-optimal codebook for rotated, near-Gaussian data, which shrinks values by ~11%),
+        ``"gauss_unbiased"`` (the same codes, levels divided by 1 - the Lloyd-Max MSE, so that
+        E[x * x_hat] = E[x^2]: no systematic shrinkage, still ~35% less MSE than min-max at 2 bits).
 """
 
 from __future__ import annotations
@@ -24,6 +30,24 @@ from kvarn.codec.rotation import rotate, unrotate
 from kvarn.schemes import Scheme, get_scheme
 
 _MIN_MAGNITUDE = 2.0**-14
+# Lloyd-Max quantizer of N(0, 1): reconstruction levels and 1 - its MSE (= E[x * x_hat])
+_GAUSS_LEVELS = {
+    2: (-1.5104, -0.4528, 0.4528, 1.5104),
+    3: (-2.1519, -1.3439, -0.7560, -0.2451, 0.2451, 0.7560, 1.3439, 2.1519),
+}
+_GAUSS_GAIN = {2: 1 - 0.1175, 3: 1 - 0.03454}
+
+
+def _gauss_round(y: torch.Tensor, bits: int, dim: int, unbiased: bool) -> torch.Tensor:
+    """Round trip of ``y`` with per-slice (mean, std) stored as fp16 and Lloyd-Max codes."""
+    if bits not in _GAUSS_LEVELS:
+        raise ValueError(f"levels='gauss' needs bits in {sorted(_GAUSS_LEVELS)}, got {bits}")
+    mu = _fp16(y.mean(dim, keepdim=True))
+    sd = _fp16(y.std(dim, keepdim=True, unbiased=False)).clamp_min(_MIN_MAGNITUDE)
+    lv = torch.tensor(_GAUSS_LEVELS[bits])
+    codes = ((y - mu) / sd).unsqueeze(-1).sub(lv).abs().argmin(-1)
+    rec = lv[codes] / (_GAUSS_GAIN[bits] if unbiased else 1.0)
+    return mu + sd * rec
 
 
 def _fp16(x: torch.Tensor) -> torch.Tensor:
@@ -67,6 +91,7 @@ def encode_side(
     select: str = "mse",
     bias_weight: float = 0.0,
     weight: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    levels: str = "uniform",
 ) -> torch.Tensor:
     """Round trip of rotated tiles ``x`` ``[N, T, D]`` float32 -> dequantized ``[N, T, D]`` (rotated)."""
     quant_dim = 1 if per_channel else 2
@@ -80,11 +105,14 @@ def encode_side(
         log_f = log_r if per_channel else log_c
         _, f = store_positive(torch.exp(log_f) * base, scheme.scale_dtype, round_up=False)
         f = f.clamp_min(1e-30)
-        codes, _, _, s, o = quantize_affine(x / f, bits, quant_dim, scheme.scale_dtype)
-        if refit in ("affine", "both"):
-            s2, o2, ok = _refit_affine(x, codes, f.expand_as(x), quant_dim)
-            s, o = torch.where(ok, _fp16(s2), s), torch.where(ok, _fp16(o2), o)
-        y = codes.float() * s + o
+        if levels != "uniform":
+            y = _gauss_round(x / f, bits, quant_dim, unbiased=levels == "gauss_unbiased")
+        else:
+            codes, _, _, s, o = quantize_affine(x / f, bits, quant_dim, scheme.scale_dtype)
+            if refit in ("affine", "both"):
+                s2, o2, ok = _refit_affine(x, codes, f.expand_as(x), quant_dim)
+                s, o = torch.where(ok, _fp16(s2), s), torch.where(ok, _fp16(o2), o)
+            y = codes.float() * s + o
         if refit in ("factor", "both"):
             f = _fp16(_refit_factor(x, y, fdim, bias_weight))
         xh = y * f
@@ -129,4 +157,10 @@ if __name__ == "__main__":
             e0 = [float((x - y).square().mean()) for x, y in zip((k, v), b, strict=True)]
             e1 = [float((x - y).square().mean()) for x, y in zip((k, v), c, strict=True)]
             print(name, refit, f"mse keys {e0[0]:.4g} -> {e1[0]:.4g}, values {e0[1]:.4g} -> {e1[1]:.4g}")
+        if name == "kvarn_k4v2_g128":
+            for lv in ("gauss", "gauss_unbiased"):
+                c = variant_roundtrip(name, v_levels=lv)(k, v)
+                e0v, e1v = float((v - b[1]).square().mean()), float((v - c[1]).square().mean())
+                slope = float((v * c[1]).sum() / (v * v).sum())
+                print(name, f"v_levels={lv}: value mse {e0v:.4g} -> {e1v:.4g}, E[v v_hat]/E[v^2] {slope:.3f}")
     print("variants match the reference codec")
