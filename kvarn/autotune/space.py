@@ -223,9 +223,14 @@ class SearchSpace:
 # ---- per-layer sensitivity --------------------------------------------------------------------
 
 
+# 2: a plain probe name keeps one exact first token since 2026-12-01, so passes cached under the same
+# name before (no exact token) must not be reused
+SENSITIVITY_KEY_VERSION = 2
+
+
 def sensitivity_key(model: str, text_sha256: str, tokens: int, probe: str, num_layers: int) -> str:
-    """Cache key of one sensitivity pass (model, text hash, tokens, probe scheme)."""
-    raw = json.dumps([model, text_sha256, tokens, probe, num_layers])
+    """Cache key of one sensitivity pass (model, text hash, tokens, probe scheme, key version)."""
+    raw = json.dumps([model, text_sha256, tokens, probe, num_layers, SENSITIVITY_KEY_VERSION])
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
