@@ -90,20 +90,23 @@ struct Side {  // one side of one tile, with its workspace
     acc.resize(L); acc2.resize(L); f_raw.resize(L); s_raw.resize(L); q_raw.resize(L);
   }
 
-  // population std of y along rows of src [R, C] (y[r, c] = src[r, c] * (er[r] * ec[c])), per column, into stdv[C]
+  // population std of y along rows of src [R, C] (y[r, c] = src[r, c] * (er[r] * ec[c])), per column, into
+  // stdv[C]: one pass of double sums of y and y^2 (a float32 y squared is exact in double, so the only
+  // rounding left is the sums', far below the float32 result's)
   void col_std(const float* src, int64_t R, int64_t C, const float* rf, const float* cf) {
-    double* a = acc.data(); double* a2 = acc2.data(); float* yy = y.data();
+    double* a = acc.data(); double* a2 = acc2.data();
     std::fill(a, a + C, 0.0); std::fill(a2, a2 + C, 0.0);
     for (int64_t r = 0; r < R; ++r) {
-      const float e = rf[r]; const float* xs = src + r * C; float* yr = yy + r * C;
-      for (int64_t c = 0; c < C; ++c) { yr[c] = xs[c] * (e * cf[c]); a[c] += (double)yr[c]; }
+      const float e = rf[r]; const float* xs = src + r * C;
+      for (int64_t c = 0; c < C; ++c) {
+        const double v = (double)(xs[c] * (e * cf[c]));
+        a[c] += v; a2[c] += v * v;
+      }
     }
-    for (int64_t c = 0; c < C; ++c) a[c] /= (double)R;
-    for (int64_t r = 0; r < R; ++r) {
-      const float* yr = yy + r * C;
-      for (int64_t c = 0; c < C; ++c) { const double dv = (double)yr[c] - a[c]; a2[c] += dv * dv; }
+    for (int64_t c = 0; c < C; ++c) {
+      const double m = a[c] / (double)R, var = a2[c] / (double)R - m * m;
+      stdv[c] = (float)std::sqrt(var > 0.0 ? var : 0.0);
     }
-    for (int64_t c = 0; c < C; ++c) stdv[c] = (float)std::sqrt(a2[c] / (double)R);
   }
 
   // log += log(std + 1e-3 * mean(std) + 1e-30), then centred (geometric mean 1)
