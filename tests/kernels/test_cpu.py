@@ -263,6 +263,10 @@ def test_bench_tool_measures_every_method_and_replaces_its_doc_section(tmp_path:
     methods = {"kvarn native", "kvarn torch", "dequantize + SDPA"} | {f"SDPA {t} KV" for t in ("bf16", "fp16", "fp32")}
     assert set(rows[0]["ms"]) == methods
     assert all(ms > 0 for ms in rows[0]["ms"].values())
+    store = tool.bench_store((("kvarn_k4v2_g32", 64),), tiles=2, heads=1, repeats=1)
+    assert [(r["scheme"], r["head_dim"]) for r in store] == [("kvarn_k4v2_g32", 64)]
+    assert store[0]["native_ms"] > 0 and store[0]["reference_ms"] > 0 and 0.5 <= store[0]["identical"] <= 1
+    assert "| `kvarn_k4v2_g32` | 64 |" in tool.store_table(store)
     doc = tmp_path / "cpu_serving.md"
     doc.write_text("# title\n\nkept\n")
     tool.write_section(doc, "ops", tool.ops_table(rows))
