@@ -2,7 +2,7 @@
 
 The native path (C++ in :mod:`kvarn.kernels.cpu_store_src`, built into the decode kernel's library
 by :mod:`kvarn.kernels.cpu_native`) rotates in torch with the reference's own call, then encodes
-each side of each tile in one OpenMP task; about 60x faster than the reference codec (see
+each side of each tile in one OpenMP task; 7-10x faster than the reference codec per thread (see
 ``docs/cpu_serving.md``). Without the library, ``impl="reference"`` runs the reference codec
 (:func:`kvarn.codec.quantize_tiles`) and scatters its records.
 """
