@@ -22,10 +22,10 @@ import torch
 from kvarn.kernels import cpu_native, cpu_torch
 from kvarn.kernels._checks import FLOAT_DTYPES, KernelArgumentError, check_tensor
 from kvarn.kernels.cpu_args import CPU, check_indices, check_paged
-from kvarn.kernels.cpu_store import store_tiles
+from kvarn.kernels.cpu_store import quantize_tiles_cpu, store_tiles
 from kvarn.schemes.scheme import Scheme
 
-__all__ = ["decode_attention", "prefill_attention", "store_tiles"]
+__all__ = ["decode_attention", "prefill_attention", "quantize_tiles_cpu", "store_tiles"]
 
 IMPLS = ("auto", "native", "torch")
 

@@ -4,7 +4,8 @@ The native path (C++ in :mod:`kvarn.kernels.cpu_store_src`, built into the decod
 by :mod:`kvarn.kernels.cpu_native`) rotates in torch with the reference's own call, then encodes
 each side of each tile in one OpenMP task; 7-10x faster than the reference codec per thread (see
 ``docs/cpu_serving.md``). Without the library, ``impl="reference"`` runs the reference codec
-(:func:`kvarn.codec.quantize_tiles`) and scatters its records.
+(:func:`kvarn.codec.quantize_tiles`) and scatters its records. :func:`quantize_tiles_cpu` is the
+same store as a drop-in for the reference codec's ``quantize_tiles`` (records in, no cache).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kvarn.kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, KernelArgumentErro
 from kvarn.kernels.cpu_args import CPU
 from kvarn.schemes.scheme import Scheme
 
-__all__ = ["store_tiles"]
+__all__ = ["quantize_tiles_cpu", "store_tiles"]
 
 IMPLS = ("auto", "native", "reference")
 _P = ctypes.c_void_p
@@ -110,3 +111,18 @@ def store_tiles(
     a.keys, a.values, a.block_ids, a.lut = kr.data_ptr(), vr.data_ptr(), ids.data_ptr(), log8_table(CPU).data_ptr()
     a.cache, a.cache_sb, a.cache_sh = cache.data_ptr(), cache.stride(0), cache.stride(1)
     lib.kvarn_store(ctypes.byref(a))
+
+
+def quantize_tiles_cpu(keys: torch.Tensor, values: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """Drop-in for :func:`kvarn.codec.quantize_tiles` on the CPU: ``[N, T, D]`` keys and values ->
+    ``[N, tile_bytes]`` uint8 records, through the native store (records as :func:`store_tiles`
+    documents them; the reference codec without a compiler). Refuses inf/NaN like the codec."""
+    if keys.dim() != 3 or keys.shape != values.shape:
+        raise KernelArgumentError(
+            f"keys and values must both be [tiles, {scheme.group_size}, head_dim], "
+            f"got {list(keys.shape)} and {list(values.shape)}"
+        )
+    n, _, d = keys.shape
+    cache = torch.empty(n, 1, scheme.tile_bytes(d), dtype=torch.uint8)
+    store_tiles(keys[:, None], values[:, None], cache, torch.arange(n), scheme, check_finite=True)
+    return cache[:, 0]

@@ -482,3 +482,21 @@ def test_reference_store_writes_the_codec_records() -> None:
     store_tiles(k, v, cache, torch.tensor([2, 0]), sc, impl="reference")
     ref = quantize_tiles(k.reshape(4, 32, 64), v.reshape(4, 32, 64), sc).view(2, 2, -1)
     assert torch.equal(cache[[2, 0]], ref) and not cache[1].any()
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: no native store")
+def test_quantize_tiles_cpu_is_a_drop_in_for_the_reference_codec() -> None:
+    from kvarn.codec import quantize_tiles
+
+    sc = Scheme.from_name("kvarn_k4v2_g128")
+    k, v = store_inputs(sc, 4, 1, 64, torch.float32, seed=8)
+    k, v = k[:, 0], v[:, 0]
+    out = cpu.quantize_tiles_cpu(k, v, sc)
+    assert out.shape == (4, sc.tile_bytes(64)) and out.dtype == torch.uint8
+    assert_store_matches_reference(out, quantize_tiles(k, v, sc), sc, 64, (k, v))
+    bad = k.clone()
+    bad[1, 2, 3] = float("inf")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        cpu.quantize_tiles_cpu(bad, v, sc)
+    with pytest.raises(KernelArgumentError, match="must both be"):
+        cpu.quantize_tiles_cpu(k, v[:, :64], sc)
