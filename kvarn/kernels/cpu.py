@@ -71,6 +71,12 @@ def decode_attention(
     Returns:
         ``[B, Hq, D]`` in ``query``'s dtype (``out`` when given); zeros for a sequence with no token.
     """
+    key = None
+    if impl != "torch" and out is not None and query.dim() == 3 and query.shape[0]:
+        rows, optional = (tail_k, tail_v, sink_k, sink_v), (tail_slot, sink_lens, sink_slot)
+        key = cpu_native.layer_key(query, cache, rows, optional, scheme, sm_scale)
+        if cpu_native.decode_again(key, query, block_table, num_tiles, tail_lens, *optional, out):
+            return out
     if query.dim() != 3:
         raise KernelArgumentError(f"query must be [batch, num_q_heads, head_dim], got {list(query.shape)}")
     bsz, hq, d = query.shape
@@ -84,7 +90,11 @@ def decode_attention(
     out = _output(out, query, (bsz, hq, d))
     if not bsz:
         return out
-    if impl != "torch" and cpu_native.decode(p, query, block_table, num_tiles, out):
+    prep = cpu_native.prepare(p, query, block_table, num_tiles) if impl != "torch" else None
+    if prep is not None:
+        cpu_native.run(prep, query, out)  # raises on an index out of range
+        if key is not None:
+            cpu_native.remember(key, prep)
         return out
     if impl == "native":
         raise KernelArgumentError("impl='native': the native kernel is not built or does not take these tensors")

@@ -248,6 +248,91 @@ def decode(
     return True
 
 
+# Decode calls of a layer seen before. vLLM calls every layer with the same staging and sink pools
+# and cache pages each step, and all layers of a step with the same index tensors: the arguments a
+# layer fixes are checked and marshalled once (``remember``), and a later call with the same layer
+# key checks and sets only the step's index tensors, the query and the output (``decode_again``).
+# Measured at SmolLM2 shapes (4 requests, 1 thread): 88 -> 48 us per call, of which 22 us in C.
+_LAYERS: dict[tuple[object, ...], _Args] = {}
+_MAX_LAYERS = 512
+
+
+def _tensor_key(t: torch.Tensor | None) -> tuple[object, ...] | None:
+    return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
+def layer_key(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    rows: tuple[torch.Tensor | None, ...],
+    optional: tuple[torch.Tensor | None, ...],
+    scheme: Scheme,
+    sm_scale: float | None,
+) -> tuple[object, ...]:
+    """What a layer's prepared arguments depend on: memory and layout of the cache and the staging
+    and sink pools (``rows``), the query's shape and dtype, which optional index tensors are given,
+    the scheme, the scale and the thread count."""
+    return (
+        scheme, sm_scale, query.shape, query.dtype, torch.get_num_threads(), _tensor_key(cache),
+        *(_tensor_key(t) for t in rows), *(t is None for t in optional),
+    )  # fmt: skip
+
+
+def remember(key: tuple[object, ...], prep: Prepared) -> None:
+    """Keep ``prep``'s arguments for :func:`decode_again` (not when an index tensor had to be converted)."""
+    if prep.copies:
+        return
+    if len(_LAYERS) >= _MAX_LAYERS:
+        _LAYERS.clear()
+    _LAYERS[key] = _Args.from_buffer_copy(prep.args)
+
+
+def _index_ok(t: torch.Tensor | None, bsz: int) -> bool:
+    return t is None or (t.dtype == torch.int32 and t.shape == (bsz,) and t.is_cpu and t.is_contiguous())
+
+
+def decode_again(
+    key: tuple[object, ...],
+    query: torch.Tensor,
+    block_table: torch.Tensor,
+    num_tiles: torch.Tensor,
+    tail_lens: torch.Tensor,
+    tail_slot: torch.Tensor | None,
+    sink_lens: torch.Tensor | None,
+    sink_slot: torch.Tensor | None,
+    out: torch.Tensor,
+) -> bool:
+    """Native decode with a remembered layer's arguments; False (nothing done) when the layer is
+    not remembered or a step tensor, the query or the output does not fit the fast path (the full
+    path then checks everything and names what is wrong). An index out of range: False as well."""
+    template = _LAYERS.get(key)
+    if template is None:
+        return False
+    bsz = query.shape[0]
+    if not (
+        block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == bsz
+        and block_table.is_cpu and block_table.stride(1) == 1
+        and all(_index_ok(t, bsz) for t in (num_tiles, tail_lens, tail_slot, sink_lens, sink_slot))
+        and query.is_cpu and query.stride(-1) == 1
+        and out.dtype == query.dtype and out.shape == query.shape and out.is_cpu and out.stride(-1) == 1
+    ):  # fmt: skip
+        return False
+    lib = library()
+    assert lib is not None  # a layer is only remembered after a native call
+    a = _Args.from_buffer_copy(template)
+    a.block_table, a.bt_sb, a.BT_WIDTH = block_table.data_ptr(), block_table.stride(0), block_table.shape[1]
+    a.num_tiles, a.tail_lens = num_tiles.data_ptr(), tail_lens.data_ptr()
+    if tail_slot is not None:
+        a.tail_slot = tail_slot.data_ptr()
+    if sink_lens is not None:
+        a.sink_lens = sink_lens.data_ptr()
+    if sink_slot is not None:
+        a.sink_slot = sink_slot.data_ptr()
+    a.q, a.q_sb, a.q_sh = query.data_ptr(), query.stride(0), query.stride(1)
+    a.out, a.out_sb, a.out_sh = out.data_ptr(), out.stride(0), out.stride(1)
+    return bool(lib.kvarn_decode(ctypes.byref(a)) == 0)
+
+
 if __name__ == "__main__":
     lib = library()
     print(f"built: {build_dir()}" if lib is not None else "no native CPU kernel (see the warning above)")

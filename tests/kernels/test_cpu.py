@@ -504,3 +504,40 @@ def test_quantize_tiles_cpu_is_a_drop_in_for_the_reference_codec() -> None:
         cpu.quantize_tiles_cpu(bad, v, sc)
     with pytest.raises(KernelArgumentError, match="must both be"):
         cpu.quantize_tiles_cpu(k, v[:, :64], sc)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: no native kernel")
+def test_remembered_layers_take_new_step_tensors_and_still_check_indices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's pattern: the same pools and pages every step, new index tensors each step, an output
+    buffer. After a layer's first call the fast path sets only the step's tensors: the results
+    stay bitwise the full path's over steps and layers; bad indices still raise by name."""
+    sc = scheme("kvarn_k4v2_g32", 2)
+    layers = [paged_batch(sc, [5 * 32 + 3, 2 * 32 + 7, 9], 2, 64, seed=s) for s in (1, 2)]
+    pools = [staging(sc, pb, True, seed=s) for s, pb in enumerate(layers)]
+    g = torch.Generator().manual_seed(5)
+    prepared = []
+    real_prepare = cpu_native.prepare
+    monkeypatch.setattr(cpu_native, "prepare", lambda *a: prepared.append(1) or real_prepare(*a))
+    for step in range(3):
+        # a new step: new tensor objects, lengths moved on by one token
+        tails = [(pb.tail_lens + step).clamp(max=32).clone() for pb in layers]
+        q = torch.randn(3, 4, 64, generator=g)
+        for pb, a, tail in zip(layers, pools, tails, strict=True):
+            args = (q, pb.cache, pb.block_table.clone(), pb.num_tiles.clone(), a.tail_k, a.tail_v, tail, sc)
+            kw = {k: (None if v is None else v.clone() if v.dtype == torch.int32 else v) for k, v in a.kwargs.items()}
+            before = len(prepared)
+            fast = cpu.decode_attention(*args, out=torch.empty(3, 4, 64), impl="native", **kw)  # type: ignore[arg-type]
+            assert len(prepared) == before + (step == 0)  # the full path only on a layer's first call
+            full = cpu.decode_attention(*args, impl="native", **kw)  # type: ignore[arg-type]  # no out: full path
+            assert torch.equal(fast, full)
+            again = cpu.decode_attention(*args, out=torch.empty(3, 4, 64), **kw)  # type: ignore[arg-type]
+            assert torch.equal(again, full)
+    pb, a = layers[0], pools[0]
+    base = (pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc)
+    cpu.decode_attention(q, *base, out=torch.empty(3, 4, 64), **a.kwargs)  # type: ignore[arg-type]
+    with pytest.raises(KernelArgumentError, match="block ids in 0"):
+        bad = (pb.cache, pb.block_table + 100, *base[2:])
+        cpu.decode_attention(q, *bad, out=torch.empty(3, 4, 64), **a.kwargs)  # type: ignore[arg-type]
+    as_long = (pb.cache, pb.block_table, pb.num_tiles.long(), *base[3:])  # converted on the full path
+    with pytest.raises(KernelArgumentError, match="num_tiles dtype"):
+        cpu.decode_attention(q, *as_long, out=torch.empty(3, 4, 64), **a.kwargs)  # type: ignore[arg-type]
