@@ -12,6 +12,8 @@ vLLM's prefix cache first, so that time covers the last uncached chunk and the f
 Usage::
 
     python tools/capacity.py capacity --kv-gib 1
+    KVARN_PRESET_PATH=docs/tuned python tools/capacity.py capacity --models smollm2 \
+        --dtypes auto kvarn_smollm2_135m_1pct        # a tuned mixed-bit preset (its own block size)
     python tools/capacity.py throughput --context 2048 --new-tokens 32
 """
 
@@ -44,28 +46,65 @@ def pools_mib(llm: Any) -> float:
     return round(per_layer * model.get_num_layers(cfg.parallel_config) / 2**20, 2)
 
 
-def capacity(dtypes: list[str], kv_gib: int, max_num_seqs: int = 4) -> list[dict[str, Any]]:
-    """KV tokens per (model, dtype) for ``kv_gib`` GiB of KV memory, ``max_num_seqs`` pool slots."""
+def byte_ratio(llm: Any) -> float | None:
+    """16 bits over the stored bits per element of this engine's kvarn scheme over the model's layers
+    (per-layer widths of a mixed preset included; pools and sinks not counted). None for other dtypes."""
+    from kvarn.schemes import get_preset
+    from kvarn.vllm.plugin import is_kvarn_dtype
+
+    cfg = llm.llm_engine.vllm_config
+    if not is_kvarn_dtype(cfg.cache_config.cache_dtype):
+        return None
+    model = cfg.model_config
+    scheme = get_preset(cfg.cache_config.cache_dtype).scheme
+    return round(scheme.compression(model.get_head_size(), num_layers=model.get_num_layers(cfg.parallel_config)), 3)
+
+
+def block_size_for(dtype: str) -> int:
+    """One vLLM block = one tile for kvarn dtypes (the scheme's group size); 128 for vLLM's own."""
+    from kvarn.schemes import get_preset
+    from kvarn.vllm.plugin import is_kvarn_dtype, resolve_dtype
+
+    return get_preset(dtype).scheme.group_size if is_kvarn_dtype(resolve_dtype(dtype)) else 128
+
+
+MODELS = ("smollm2", "tiny128")
+
+
+def capacity(
+    dtypes: list[str], kv_gib: int, max_num_seqs: int = 4, models: tuple[str, ...] = MODELS
+) -> list[dict[str, Any]]:
+    """KV tokens per (model, dtype) for ``kv_gib`` GiB of KV memory, ``max_num_seqs`` pool slots.
+
+    ``models``: ``smollm2`` (the embedded SmolLM2-135M, head_dim 64) and/or ``tiny128`` (a tiny random
+    Llama, head_dim 128).
+    """
     from tqdm import tqdm
 
     from kvarn.models import resolve_model
+    from kvarn.vllm.plugin import register
     from kvarn.vllm.synthetic import make_tiny_llama
 
+    register()  # preset names (KVARN_PRESET_PATH too) resolve before any engine starts
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        models = {
-            "smollm2-135m (head_dim 64)": str(resolve_model("smollm2-135m")),
-            "tiny random Llama (head_dim 128)": str(make_tiny_llama(Path(tmp) / "tiny128", head_dim=128)),
-        }
-        jobs = [(m, d) for m in models for d in dtypes]
+        paths = {}
+        if "smollm2" in models:
+            paths["smollm2-135m (head_dim 64)"] = str(resolve_model("smollm2-135m"))
+        if "tiny128" in models:
+            paths["tiny random Llama (head_dim 128)"] = str(make_tiny_llama(Path(tmp) / "tiny128", head_dim=128))
+        jobs = [(m, d) for m in paths for d in dtypes]
         for label, dtype in tqdm(jobs, desc="engines"):
-            with cpu_engine(models[label], dtype, max_model_len=1024, max_num_seqs=max_num_seqs) as llm:
+            with cpu_engine(
+                paths[label], dtype, block_size=block_size_for(dtype), max_model_len=1024, max_num_seqs=max_num_seqs
+            ) as llm:
                 row = {
                     "model": label,
                     "kv_cache_dtype": dtype,
                     "kv_tokens": kv_tokens(llm),
                     "pools_mib": pools_mib(llm),
+                    "byte_ratio": byte_ratio(llm),
                 }
                 rows.append(row)
     base = {r["model"]: r["kv_tokens"] for r in rows if r["kv_cache_dtype"] == "auto"}
@@ -121,15 +160,19 @@ def main() -> None:
     c.add_argument("--kv-gib", type=int, default=1)
     c.add_argument("--max-num-seqs", type=int, default=4, help="running requests = kvarn pool slots per layer")
     c.add_argument(
-        "--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g128_sink"]
+        "--dtypes",
+        nargs="+",
+        default=["auto", "kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g128_sink"],
+        help="kv_cache_dtypes: vLLM's, kvarn names, preset names (KVARN_PRESET_PATH adds preset folders)",
     )
+    c.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     t = sub.add_parser("throughput", help="decode tokens/s at a given context, kvarn vs default")
     t.add_argument("--context", type=int, default=2048)
     t.add_argument("--new-tokens", type=int, default=32)
     t.add_argument("--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128"])
     args = parser.parse_args()
     if args.cmd == "capacity":
-        rows = capacity(args.dtypes, args.kv_gib, args.max_num_seqs)
+        rows = capacity(args.dtypes, args.kv_gib, args.max_num_seqs, tuple(args.models))
     else:
         rows = throughput(args.dtypes, args.context, args.new_tokens)
     print(json.dumps(rows, indent=1))

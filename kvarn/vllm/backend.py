@@ -2,9 +2,12 @@
 
 Page layout (``[num_blocks, num_kv_heads, 1, page_bytes]`` uint8 per layer, vLLM's LBHNC layout):
 one vLLM block is one tile of ``group_size`` tokens per KV head, and its state is the packed
-record of :func:`kvarn.codec.quantize_tiles`, so ``page_bytes = scheme.tile_bytes(head_dim)``
-(the largest over layers when a preset overrides bit widths per layer). vLLM derives the number
-of blocks, and so the KV tokens it reports, from this page size.
+record of :func:`kvarn.codec.quantize_tiles`, so a layer's page is ``tile_bytes(head_dim)`` of
+*its own* scheme (``scheme.for_layer(i)``): a preset with per-layer bit widths (what ``kvarn-tune``
+writes) gives its layers different page sizes, which vLLM keeps in one KV-cache group
+(``UniformTypeKVCacheSpecs``: a block's bytes are the sum of the layers' pages). vLLM derives the
+number of blocks, and so the KV tokens it reports, from that sum, so a mixed preset gets exactly
+its byte ratio (less the pools below).
 
 Partially filled tiles live in a staging pool (:mod:`kvarn.vllm.staging`) and, for schemes with a
 sink (exact first tokens, or KVarN's 16-bit first tile), each sequence's first tokens in a sink
@@ -71,22 +74,99 @@ def _active() -> tuple[Scheme, int]:
     return _scheme_of(name), layers
 
 
-def page_bytes(scheme: Scheme, head_dim: int, num_layers: int) -> int:
-    """Bytes of one page per KV head: the largest tile record over the layers."""
+def layer_page_bytes(scheme: Scheme, head_dim: int, layer: int) -> int:
+    """Bytes of layer ``layer``'s page per KV head: one tile record of the layer's own scheme."""
     if head_dim not in ALLOWED_HEAD_DIMS:
         raise ValueError(
             f"{scheme.name}: head_dim {head_dim} is not supported; supported: {', '.join(map(str, ALLOWED_HEAD_DIMS))}"
         )
-    sizes = []
-    for layer in range(max(num_layers, 1)):
-        s = scheme.for_layer(layer)
-        if s is None:
-            raise ValueError(
-                f"{scheme.name}: layer {layer} is unquantized (fp16 override); the vLLM backend stores "
-                "every layer as packed tiles in one page size. Use a preset without fp16 layer overrides."
-            )
-        sizes.append(s.tile_bytes(head_dim))
-    return max(sizes)
+    s = scheme.for_layer(layer)
+    if s is None:
+        raise ValueError(
+            f"{scheme.name}: layer {layer} is unquantized (fp16 override); the vLLM backend stores "
+            "every layer it serves as packed tiles. Use a preset without fp16 layer overrides."
+        )
+    return s.tile_bytes(head_dim)
+
+
+def page_bytes(scheme: Scheme, head_dim: int, num_layers: int) -> int:
+    """Bytes of the widest page per KV head over ``num_layers`` layers (checks every layer).
+
+    Used where vLLM asks for a spec without saying which layer (``customize_spec`` from its
+    block-size alignment); each layer's own spec uses :func:`layer_page_bytes`.
+    """
+    return max(layer_page_bytes(scheme, head_dim, layer) for layer in range(max(num_layers, 1)))
+
+
+def packed_spec(spec: AttentionSpec, scheme: Scheme, content_bytes: int) -> AttentionSpec:
+    """``spec`` with one state of ``content_bytes`` per KV head per block of ``group_size`` tokens."""
+    return replace(spec, dtype=torch.uint8, state_content_bytes=content_bytes, tokens_per_state=scheme.group_size)
+
+
+def install_layer_specs() -> None:
+    """Give each kvarn layer its own page size (once per process).
+
+    vLLM asks a backend to adjust a layer's spec through ``customize_spec(spec)``, which does not say
+    which layer it is, so a per-layer width cannot be set there. vLLM's model runner builds every
+    spec with the attention layer's ``get_kv_cache_spec``, which knows its ``layer_name``: wrapped
+    here, a layer served by :class:`KvarnAttentionImpl` returns its packed spec (``customize_spec``
+    then leaves a spec with ``state_content_bytes`` set as it is). Other layers are untouched.
+    """
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    if getattr(Attention, "_kvarn_layer_specs", False):
+        return
+    original = Attention.get_kv_cache_spec
+
+    def get_kv_cache_spec(self: Any, vllm_config: VllmConfig) -> Any:
+        impl = getattr(self, "impl", None)
+        shared = shared_page(vllm_config)
+        if shared is not None:  # sliding layers pad their bf16 pages to the shared page
+            vllm_config.cache_config.skip_page_size_padded = shared
+        spec = original(self, vllm_config)
+        if isinstance(impl, KvarnAttentionImpl) and isinstance(spec, AttentionSpec):
+            spec = impl.layer_spec(spec, self.layer_name)
+            if shared is not None and shared > spec.page_size_bytes:
+                spec = replace(spec, page_size_padded=shared)
+        return spec
+
+    Attention.get_kv_cache_spec = get_kv_cache_spec  # type: ignore[method-assign]
+    Attention._kvarn_layer_specs = True  # type: ignore[attr-defined]
+
+
+def _smallest_block(backend: Any) -> int:
+    sizes = backend.get_supported_kernel_block_sizes()
+    return min(s.base if isinstance(s, MultipleOf) else int(s) for s in sizes) if sizes else 1
+
+
+def shared_page(vllm_config: VllmConfig) -> int | None:
+    """Bytes of the page kvarn layers and 16-bit sliding-window layers share, or None (no such mix).
+
+    A model with sliding-window layers is served with those layers 16-bit (the plugin adds
+    ``sliding_window`` to ``kv_cache_dtype_skip_layers``): vLLM's own backend and sliding-window
+    spec, in their own KV-cache group. vLLM's groups share one block pool, so every page has the
+    same size: the larger of the widest kvarn page (one tile per KV head, one block = one tile) and
+    the sliding backend's smallest kernel block of 16-bit tokens. The sliding layers pick the
+    largest kernel block that fits it (vLLM's ``skip_page_size_padded``); kvarn pages are padded to it.
+    """
+    layers = list(vllm_config.compilation_config.static_forward_context.values())
+    kvarn = [a for a in layers if isinstance(getattr(a, "impl", None), KvarnAttentionImpl)]
+    sliding = [
+        a
+        for a in layers
+        if a not in kvarn and getattr(a, "sliding_window", None) is not None and hasattr(a, "kv_cache_torch_dtype")
+    ]
+    if not kvarn or not sliding:
+        return None
+    widest = max(a.num_kv_heads * page_bytes(a.impl.scheme, a.head_size, _active()[1]) for a in kvarn)
+    per_block = max(
+        a.num_kv_heads
+        * (a.head_size + a.head_size_v)
+        * a.kv_cache_torch_dtype.itemsize
+        * _smallest_block(a.get_attn_backend())
+        for a in sliding
+    )
+    return int(max(widest, per_block))
 
 
 class KvarnAttentionBackend(AttentionBackend):
@@ -133,50 +213,53 @@ class KvarnAttentionBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """One state per block per KV head: the packed record (``tile_bytes``) of one tile."""
+        """One state per block per KV head: the packed record (``tile_bytes``) of one tile.
+
+        A layer's own spec arrives here already packed (:func:`install_layer_specs`) and is kept;
+        a spec of no particular layer gets the widest layer's page.
+        """
         if spec.state_content_bytes is not None:
             return spec
         scheme, layers = _active()
-        return replace(
-            spec,
-            dtype=torch.uint8,
-            state_content_bytes=page_bytes(scheme, spec.head_size, layers),
-            tokens_per_state=scheme.group_size,
-        )
+        return packed_spec(spec, scheme, page_bytes(scheme, spec.head_size, layers))
 
 
-class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
-    """Plans staging and sink slots and builds the step's device tensors, once per step."""
+class _Planner:
+    """The slot planning of one model's kvarn layers, shared by all their metadata builders.
 
-    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.scheme = _scheme_of(vllm_config.cache_config.cache_dtype)
-        t = self.scheme.group_size
-        if kv_cache_spec.block_size != t:
-            raise ValueError(
-                f"kv_cache_dtype={self.scheme.name} needs block_size={t} (one vLLM block = one tile), "
-                f"got {kv_cache_spec.block_size}; pass block_size={t} (--block-size {t})"
-            )
-        slots = staging_slots(vllm_config.scheduler_config.max_num_seqs)[1]
-        self.pool = StagingPool(slots, t)
-        cap = sink_capacity(self.scheme)
-        self.sinks = SinkPool(slots, cap, t) if cap else None
+    Layers of different page sizes (a mixed-bit preset) fall into different vLLM attention groups,
+    each with its own builder, all called every step with the same ``CommonAttentionMetadata``.
+    The staging and sink slots are the same for every layer, so the first builder of a step plans
+    them and the others reuse its :class:`StepTensors` (planning twice would advance the pools twice).
+    """
+
+    def __init__(self, scheme: Scheme, slots: int) -> None:
+        self.scheme = scheme
+        self.pool = StagingPool(slots, scheme.group_size)
+        cap = sink_capacity(scheme)
+        self.sinks = SinkPool(slots, cap, scheme.group_size) if cap else None
         self.warned_missing = False
-        what = "the first tile (16-bit)" if self.scheme.sink_tile else f"the first {cap} tokens"
-        logger.warning(
-            "kvarn %s: staging of partial tiles%s: %d slots (max_num_seqs) = %.1f MiB over %d layers, "
-            "allocated before the KV cache and counted against its memory",
-            self.scheme.name,
-            f" and exact copies of {what}" if cap else "",
-            slots,
-            POOLS["bytes"] / 2**20,
-            POOLS["layers"],
+        self.layers: set[str] = set()  # the layers whose builders share this planner
+        # the last step's metadata (held, so that its id cannot be reused) and its tensors
+        self.last: tuple[CommonAttentionMetadata, StepTensors] | None = None
+
+    def build(self, m: CommonAttentionMetadata) -> StepTensors:
+        if self.last is not None and self._same_step(self.last[0], m):
+            return self.last[1]
+        step = self._plan(m)
+        self.last = (m, step)
+        return step
+
+    @staticmethod
+    def _same_step(a: CommonAttentionMetadata, b: CommonAttentionMetadata) -> bool:
+        # the same object, or a copy vLLM made of it for another group (its tensors are shared)
+        return a is b or (
+            a.query_start_loc_cpu is b.query_start_loc_cpu
+            and a.seq_lens is b.seq_lens
+            and torch.equal(a.block_table_tensor, b.block_table_tensor)
         )
 
-    def build(
-        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
-    ) -> StepTensors:
-        m = common_attn_metadata
+    def _plan(self, m: CommonAttentionMetadata) -> StepTensors:
         n, t = m.num_reqs, self.scheme.group_size
         qsl = m.query_start_loc_cpu[: n + 1].tolist()
         seq_lens = m.seq_lens[:n].cpu().tolist()
@@ -197,6 +280,63 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
                 )
         has_sink = self.sinks is not None
         return build_step(plans, table, t, sink_tile=self.scheme.sink_tile, has_sink=has_sink, decode=decode)
+
+
+# one planner per engine configuration in this process (vllm_config id -> (config, planner))
+_PLANNERS: dict[int, tuple[VllmConfig, _Planner]] = {}
+
+
+class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
+    """Builds the step's device tensors once per step (through the model's shared :class:`_Planner`)."""
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.scheme = _scheme_of(vllm_config.cache_config.cache_dtype)
+        t = self.scheme.group_size
+        if kv_cache_spec.block_size != t:
+            raise ValueError(
+                f"kv_cache_dtype={self.scheme.name} needs block_size={t} (one vLLM block = one tile), "
+                f"got {kv_cache_spec.block_size}; pass block_size={t} (--block-size {t})"
+            )
+        shared = _PLANNERS.get(id(vllm_config))
+        names = set(layer_names)
+        if (
+            shared is not None
+            and shared[0] is vllm_config
+            and shared[1].scheme == self.scheme
+            and not names & shared[1].layers  # else builders are being made anew (a new KV cache)
+        ):
+            self.planner = shared[1]
+            self.planner.layers |= names
+            return
+        slots = staging_slots(vllm_config.scheduler_config.max_num_seqs)[1]
+        self.planner = _Planner(self.scheme, slots)
+        self.planner.layers |= names
+        _PLANNERS[id(vllm_config)] = (vllm_config, self.planner)
+        cap = sink_capacity(self.scheme)
+        what = "the first tile (16-bit)" if self.scheme.sink_tile else f"the first {cap} tokens"
+        logger.warning(
+            "kvarn %s: staging of partial tiles%s: %d slots (max_num_seqs) = %.1f MiB over %d layers, "
+            "allocated before the KV cache and counted against its memory",
+            self.scheme.name,
+            f" and exact copies of {what}" if cap else "",
+            slots,
+            POOLS["bytes"] / 2**20,
+            POOLS["layers"],
+        )
+
+    @property
+    def pool(self) -> StagingPool:
+        return self.planner.pool
+
+    @property
+    def sinks(self) -> SinkPool | None:
+        return self.planner.sinks
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> StepTensors:
+        return self.planner.build(common_attn_metadata)
 
 
 class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
@@ -265,6 +405,14 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
             self.sink = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         reserve(config, pool_bytes(self.scheme, num_kv_heads, head_size, dtype, slots))
         live.install()
+        install_layer_specs()
+
+    def layer_spec(self, spec: AttentionSpec, layer_name: str) -> AttentionSpec:
+        """Layer ``layer_name``'s packed spec: a page of its own scheme's tile record per KV head."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        layer = extract_layer_index(layer_name)
+        return packed_spec(spec, self.scheme, layer_page_bytes(self.scheme, spec.head_size, layer))
 
     def _layer_scheme(self, layer: Any) -> Scheme:
         if self.layer_scheme is None:

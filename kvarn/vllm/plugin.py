@@ -192,16 +192,34 @@ def check_model(name: str, vllm_config: Any) -> None:
     if model is None:
         return
     bad = []
+    hf = model.hf_text_config
+    types = layer_types(hf)
+    kinds = ", ".join(sorted(set(types)))
     if model.use_mla:
-        bad.append("MLA attention")
+        bad.append(
+            f"MLA (latent attention, kv_lora_rank={getattr(hf, 'kv_lora_rank', '?')}): kvarn's tiles are per KV "
+            "head of standard attention; the int4-latent layout is not implemented"
+        )
+    elif getattr(model, "is_hybrid", False) or not set(types) <= {FULL, SLIDING}:
+        bad.append(
+            f"layer types {kinds} (kvarn serves {FULL} layers, and {SLIDING} layers kept 16-bit beside them; "
+            "hybrid Mamba / linear-attention / chunked-attention layers are not supported)"
+        )
+    elif SLIDING in types:
+        bad.append(
+            f"sliding-window layers (window {getattr(hf, 'sliding_window', None)}), layer types {kinds}: the vLLM "
+            "backend serves models whose layers are all full_attention (sliding-window layers are served by "
+            "KVarNCache / kvarn eval only)"
+        )
+    elif FULL not in types:
+        bad.append(
+            f"sliding-window layers (window {getattr(hf, 'sliding_window', None)}) on every layer: kvarn quantizes "
+            f"{FULL} layers and keeps sliding-window layers 16-bit, so nothing would be quantized "
+            "(use kv_cache_dtype='auto')"
+        )
     head = model.get_head_size()
     if head not in ALLOWED_HEAD_DIMS:
         bad.append(f"head_dim {head} (supported: {', '.join(map(str, ALLOWED_HEAD_DIMS))})")
-    hf = model.hf_text_config
-    window = getattr(hf, "sliding_window", None)
-    layer_types = getattr(hf, "layer_types", None) or []
-    if window is not None and (getattr(hf, "use_sliding_window", True) or "sliding_attention" in layer_types):
-        bad.append(f"sliding-window layers (window {window})")
     if model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         bad.append(f"model dtype {model.dtype} (supported: float16, bfloat16, float32)")
     if bad:
@@ -209,6 +227,36 @@ def check_model(name: str, vllm_config: Any) -> None:
             f"kv_cache_dtype={name!r} cannot serve {model.model}: unsupported {'; '.join(bad)}. "
             "Serve this model with another kv_cache_dtype."
         )
+
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def layer_types(hf_config: Any) -> list[str]:
+    """Each layer's attention type, as transformers reads it: ``layer_types``, else every layer
+    ``sliding_attention`` when ``sliding_window`` is set (and ``use_sliding_window`` is not false), else
+    every layer ``full_attention``."""
+    n = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    types = list(getattr(hf_config, "layer_types", None) or [])
+    if types:
+        return types
+    window = getattr(hf_config, "sliding_window", None)
+    sliding = window is not None and getattr(hf_config, "use_sliding_window", True) is not False
+    return [SLIDING if sliding else FULL] * max(n, 1)
+
+
+def keep_sliding_16bit(vllm_config: Any) -> bool:
+    """For a model with sliding-window layers beside full-attention ones: serve the sliding layers
+    with vLLM's own 16-bit cache, spec and attention (``kv_cache_dtype_skip_layers`` gets
+    ``sliding_window``); kvarn quantizes the full-attention layers. Returns whether it did."""
+    model = vllm_config.model_config
+    if model is None or SLIDING not in layer_types(model.hf_text_config):
+        return False
+    cache = vllm_config.cache_config
+    if "sliding_window" not in cache.kv_cache_dtype_skip_layers:
+        cache.kv_cache_dtype_skip_layers = sorted({*cache.kv_cache_dtype_skip_layers, "sliding_window"})
+        logger.info("kvarn %s: sliding-window layers stay 16-bit (vLLM's own cache)", cache.cache_dtype)
+    return True
 
 
 def _patch_engine_args() -> None:

