@@ -71,8 +71,13 @@ def decode_attention(
     Returns:
         ``[B, Hq, D]`` in ``query``'s dtype (``out`` when given); zeros for a sequence with no token.
     """
+    if impl not in IMPLS:
+        raise KernelArgumentError(f"impl={impl!r} is not one of: {', '.join(IMPLS)}")
     key = None
-    if impl != "torch" and out is not None and query.dim() == 3 and query.shape[0]:
+    # a layer seen before: only the step's tensors are checked (cpu_native.decode_again)
+    given = (query, cache, block_table, num_tiles, tail_k, tail_v, tail_lens)
+    tensors = out is not None and all(isinstance(t, torch.Tensor) for t in (*given, out))
+    if impl != "torch" and out is not None and tensors and query.dim() == 3 and query.shape[0]:
         rows, optional = (tail_k, tail_v, sink_k, sink_v), (tail_slot, sink_lens, sink_slot)
         key = cpu_native.layer_key(query, cache, rows, optional, scheme, sm_scale)
         if cpu_native.decode_again(key, query, block_table, num_tiles, tail_lens, *optional, out):
@@ -85,8 +90,6 @@ def decode_attention(
         scheme, bsz, hq, d, cache, block_table, num_tiles,
         (tail_k, tail_v, tail_lens, tail_slot), (sink_k, sink_v, sink_lens, sink_slot), sm_scale, indices=False,
     )  # fmt: skip
-    if impl not in IMPLS:
-        raise KernelArgumentError(f"impl={impl!r} is not one of: {', '.join(IMPLS)}")
     out = _output(out, query, (bsz, hq, d))
     if not bsz:
         return out

@@ -538,6 +538,8 @@ def test_remembered_layers_take_new_step_tensors_and_still_check_indices(monkeyp
     with pytest.raises(KernelArgumentError, match="block ids in 0"):
         bad = (pb.cache, pb.block_table + 100, *base[2:])
         cpu.decode_attention(q, *bad, out=torch.empty(3, 4, 64), **a.kwargs)  # type: ignore[arg-type]
+    with pytest.raises(KernelArgumentError, match="impl='fast' is not one of"):
+        cpu.decode_attention(q, *base, out=torch.empty(3, 4, 64), impl="fast", **a.kwargs)  # type: ignore[arg-type]
     as_long = (pb.cache, pb.block_table, pb.num_tiles.long(), *base[3:])  # converted on the full path
     with pytest.raises(KernelArgumentError, match="num_tiles dtype"):
         cpu.decode_attention(q, *as_long, out=torch.empty(3, 4, 64), **a.kwargs)  # type: ignore[arg-type]
