@@ -290,11 +290,6 @@ def sink1_run(default_run: RunResult) -> RunResult:
     return _run(_name(4, 2, sink_tokens=1), reference=default_run.generated, repeat=True)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="failed on its first run against the tile-causal backend (2026-12-01); cause not diagnosed "
-    "in that session (one of: net KV tokens with sink pools, logprob ordering vs k4v2, prefix-hit drift)",
-)
 def test_g_sink_tokens_served(default_run: RunResult, k4v2_run: RunResult, sink1_run: RunResult) -> None:
     """k4v2 with the exact first token: the pages of k4v2 (no sink), plus the exact first token.
 
