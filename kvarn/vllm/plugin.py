@@ -178,19 +178,24 @@ def _register_backend() -> None:
 
 def check_model(name: str, vllm_config: Any) -> None:
     """Start-up checks in the front-end process: raise ``ValueError`` naming what kvarn cannot serve."""
-    from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
 
     scheme = get_preset(name).scheme
     model = vllm_config.model_config
     block = vllm_config.cache_config.block_size
+    if model is not None:
+        _check_layers(name, model)
     if block != scheme.group_size:
         raise ValueError(
             f"kv_cache_dtype={name!r} needs block_size={scheme.group_size} (one vLLM block = one tile), "
             f"got block_size={block}; pass block_size={scheme.group_size} (--block-size {scheme.group_size}) "
             "or leave it unset"
         )
-    if model is None:
-        return
+
+
+def _check_layers(name: str, model: Any) -> None:
+    """The model's layers, before the block size: vLLM may have changed it for a model kvarn refuses."""
+    from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
+
     bad = []
     hf = model.hf_text_config
     types = layer_types(hf)
@@ -205,12 +210,6 @@ def check_model(name: str, vllm_config: Any) -> None:
             f"layer types {kinds} (kvarn serves {FULL} layers, and {SLIDING} layers kept 16-bit beside them; "
             "hybrid Mamba / linear-attention / chunked-attention layers are not supported)"
         )
-    elif SLIDING in types:
-        bad.append(
-            f"sliding-window layers (window {getattr(hf, 'sliding_window', None)}), layer types {kinds}: the vLLM "
-            "backend serves models whose layers are all full_attention (sliding-window layers are served by "
-            "KVarNCache / kvarn eval only)"
-        )
     elif FULL not in types:
         bad.append(
             f"sliding-window layers (window {getattr(hf, 'sliding_window', None)}) on every layer: kvarn quantizes "
@@ -218,7 +217,7 @@ def check_model(name: str, vllm_config: Any) -> None:
             "(use kv_cache_dtype='auto')"
         )
     head = model.get_head_size()
-    if head not in ALLOWED_HEAD_DIMS:
+    if not model.use_mla and head not in ALLOWED_HEAD_DIMS:  # MLA: its head size is the latent's
         bad.append(f"head_dim {head} (supported: {', '.join(map(str, ALLOWED_HEAD_DIMS))})")
     if model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         bad.append(f"model dtype {model.dtype} (supported: float16, bfloat16, float32)")
@@ -287,6 +286,7 @@ def _patch_engine_args() -> None:
         config = create(self, *args, **kwargs)
         if is_kvarn_dtype(config.cache_config.cache_dtype):
             check_model(config.cache_config.cache_dtype, config)
+            keep_sliding_16bit(config)
         return config
 
     EngineArgs.__post_init__ = __post_init__  # type: ignore[method-assign]
