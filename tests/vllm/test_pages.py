@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 
 from tests.vllm.test_e2e import GEN_LEN, PROMPT_LEN, TILE, RunResult, _check_fluent_and_agrees, _run  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = pytest.mark.vllm
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M
 
@@ -72,6 +72,7 @@ def mixed_run(reference: SimpleNamespace) -> RunResult:
     return _run(_mixed().name, reference=reference.generated)
 
 
+@pytest.mark.slow
 def test_kv_tokens_are_the_byte_ratio(mixed_run: RunResult) -> None:
     """KV tokens = whole blocks of (1 GiB - pools) / the layers' summed pages: each layer its own width."""
     import torch
@@ -90,6 +91,7 @@ def test_kv_tokens_are_the_byte_ratio(mixed_run: RunResult) -> None:
     assert mixed_run.kv_tokens / bf16 == pytest.approx(byte_ratio, rel=0.015)
 
 
+@pytest.mark.slow
 def test_mixed_preset_agrees_with_the_reference_path(mixed_run: RunResult, reference: SimpleNamespace) -> None:
     """Fluent, teacher-forced top-1 agreement with the fp16 reference's greedy continuation, and top-1
     agreement / perplexity change vs the fp16 cache within test_e2e.test_f's tolerances of the harness.
@@ -102,3 +104,45 @@ def test_mixed_preset_agrees_with_the_reference_path(mixed_run: RunResult, refer
     res = reference.result
     assert abs(top1 - res.top1_agreement) <= 0.06, (top1, res.top1_agreement)
     assert abs(dppl - res.delta_ppl_pct) <= 2.0, (dppl, res.delta_ppl_pct)
+
+
+def test_builders_of_one_model_share_one_planner(tmp_path: Any) -> None:
+    """Layers of different page sizes get one metadata builder each; they plan a step once: the second
+    builder of a step gets the first one's tensors, and a builder made anew for the same layers (a
+    new KV cache) starts a fresh planner."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from kvarn.vllm.backend import KvarnMetadataBuilder
+    from kvarn.vllm.synthetic import write_config_only
+
+    name = _mixed().name
+    model = str(write_config_only(tmp_path / "m", num_hidden_layers=30))
+    config = EngineArgs(model=model, kv_cache_dtype=name, max_num_seqs=2).create_engine_config()
+    spec = SimpleNamespace(block_size=TILE)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(30)]
+    a = KvarnMetadataBuilder(spec, names[:2], config, torch.device("cpu"))  # type: ignore[arg-type]
+    b = KvarnMetadataBuilder(spec, names[2:], config, torch.device("cpu"))  # type: ignore[arg-type]
+    assert a.planner is b.planner
+
+    def step(n: int) -> Any:
+        qsl = torch.tensor([0, n], dtype=torch.int32)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl,
+            seq_lens=torch.tensor([n], dtype=torch.int32),
+            num_reqs=1,
+            num_actual_tokens=n,
+            max_query_len=n,
+            max_seq_len=n,
+            block_table_tensor=torch.tensor([[3, 5]], dtype=torch.int32),
+            slot_mapping=torch.zeros(n, dtype=torch.long),
+        )
+
+    first = step(200)
+    st = a.build(0, first)
+    assert b.build(0, first) is st  # the same step: planned once
+    assert b.build(0, step(1)) is not st  # the next step
+    fresh = KvarnMetadataBuilder(spec, names[:2], config, torch.device("cpu"))  # type: ignore[arg-type]
+    assert fresh.planner is not a.planner
