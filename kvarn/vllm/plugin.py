@@ -219,6 +219,9 @@ def _check_layers(name: str, model: Any) -> None:
     head = model.get_head_size()
     if not model.use_mla and head not in ALLOWED_HEAD_DIMS:  # MLA: its head size is the latent's
         bad.append(f"head_dim {head} (supported: {', '.join(map(str, ALLOWED_HEAD_DIMS))})")
+    cap = getattr(hf, "attn_logit_softcapping", None)
+    if cap:  # Gemma 2: the attention layers would refuse it in the engine; say it here
+        bad.append(f"attention logits soft cap ({cap}): kvarn's attention kernels do not apply one")
     if model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         bad.append(f"model dtype {model.dtype} (supported: float16, bfloat16, float32)")
     if bad:

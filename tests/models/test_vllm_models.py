@@ -100,6 +100,23 @@ def test_every_layer_sliding_refused(tmp_path: Path) -> None:
     assert "sliding-window layers (window 64) on every layer" in msg and "nothing would be quantized" in msg
 
 
+def test_attention_soft_cap_refused(tmp_path: Path) -> None:
+    """Gemma-2-like (sliding and full layers alternate, attention logits soft-capped at 50)."""
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        vocab_size=257,
+        sliding_window=40,
+        intermediate_size=128,
+    )
+    assert "attention logits soft cap (50.0)" in _refusal(tmp_path, config)
+
+
 def test_sliding_and_full_layers_keep_sliding_16bit(tmp_path: Path) -> None:
     """Gemma-3-like: accepted; the sliding layers go to vLLM's own cache (``kv_cache_dtype_skip_layers``)."""
     from tests.models.builders import gemma3_config
