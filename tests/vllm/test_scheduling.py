@@ -39,9 +39,10 @@ GEN = 24  # greedy tokens per request
 # runs rank the two tokens within NEAR_TIE of each other (TOP candidates are returned to see the gap).
 NEAR_TIE = 0.5
 TOP = 5
-# Before the first differing token every logprob must agree within this (measured max 0.28): a wrong
-# tile, slot or sink read moves logprobs by nats, not tenths.
-MAX_DRIFT = 0.4
+# Before the first differing token every logprob must agree within this. Drift grows along a
+# generation (measured max 0.40, preempted vs alone at token 88); a wrong tile, slot or sink read moves
+# logprobs by nats (tile 0 read without its exact token on a prefix hit: 2.59, tests/vllm/test_e2e.py).
+MAX_DRIFT = 1.0
 
 
 @dataclass(frozen=True)
