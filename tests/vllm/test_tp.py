@@ -14,10 +14,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from .test_scheduling import TOP, Greedy, _agree  # noqa: E402
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def _generate(model: Path, tp: int) -> tuple[int, list[int]]:
+def _generate(model: Path, tp: int) -> tuple[int, Greedy]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -27,8 +29,10 @@ def _generate(model: Path, tp: int) -> tuple[int, list[int]]:
         str(model), "kvarn_k4v2_g128", max_num_seqs=4, max_num_batched_tokens=256, tensor_parallel_size=tp
     ) as llm:
         prompt = TokensPrompt(prompt_token_ids=list(range(1000, 1400)))  # 400 tokens: 3 full tiles + a tail
-        out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0]
-        return kv_tokens(llm), list(out.outputs[0].token_ids)
+        sp = SamplingParams(max_tokens=24, temperature=0, logprobs=TOP)
+        out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+        top = [{t: lp.logprob for t, lp in d.items()} for d in out.logprobs]
+        return kv_tokens(llm), Greedy(list(out.token_ids), top)
 
 
 def _net_tokens(num_kv_heads: int, layers: int = 2, head_dim: int = 64, slots: int = 4) -> int:
@@ -57,4 +61,7 @@ def test_tp2_matches_tp1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     # 2026-12-01, 4,707,072 and 9,416,448 tokens, exactly these formulas
     assert tokens1 == _net_tokens(num_kv_heads=2)
     assert tokens2 == _net_tokens(num_kv_heads=1)
-    assert out2 == out1  # measured 2026-11-30: identical 24 tokens
+    # TP=2 sums the two ranks' halves in another order (bf16): the same greedy tokens up to a near-tie.
+    # Measured: identical 24 tokens (2026-11-30); the first 23 identical (2026-12-01, random weights
+    # give near-flat logits)
+    assert _agree(out2, out1) is None, _agree(out2, out1)
