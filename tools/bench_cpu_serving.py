@@ -94,6 +94,29 @@ def _dequant_sdpa(
     return F.scaled_dot_product_attention(q.float()[:, :, None], k, v, enable_gqa=True)
 
 
+def _cpu_attn_call(
+    vllm_ops: Any,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    table: torch.Tensor,
+) -> Callable[[], object]:
+    """vLLM's CPU_ATTN over bf16 paged KV (causal, no window) as a no-argument call."""
+    hq, d = q.shape[1], q.shape[2]
+    meta = vllm_ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=lens.shape[0], num_heads=hq, num_kv_heads=k_cache.shape[1], head_dim=d, seq_lens=lens,
+        dtype=torch.bfloat16, query_start_loc=starts, causal=True, sliding_window_size=-1, isa="vec",
+        enable_kv_split=False,
+    )  # fmt: skip
+    return functools.partial(
+        vllm_ops.cpu_attention_with_kv_cache, query=q, key_cache=k_cache, value_cache=v_cache,
+        output=torch.empty_like(q), query_start_loc=starts, seq_lens=lens, scale=d**-0.5, causal=True,
+        alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0, scheduler_metadata=meta, s_aux=None,
+    )  # fmt: skip
+
+
 def _vllm_cpu_attention(bsz: int, ctx: int, g: torch.Generator) -> Callable[[], object] | None:
     """vLLM's own CPU decode attention (CPU_ATTN, the default cache) over bf16 paged KV, or None without vllm-cpu."""
     try:
@@ -108,15 +131,7 @@ def _vllm_cpu_attention(bsz: int, ctx: int, g: torch.Generator) -> Callable[[], 
     starts = torch.arange(bsz + 1, dtype=torch.int32)
     lens = torch.full((bsz,), ctx, dtype=torch.int32)
     table = torch.randperm(bsz * nt, generator=g).view(bsz, nt).to(torch.int32)
-    meta = vllm_ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=bsz, num_heads=hq, num_kv_heads=h, head_dim=d, seq_lens=lens, dtype=torch.bfloat16,
-        query_start_loc=starts, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False,
-    )  # fmt: skip
-    return functools.partial(
-        vllm_ops.cpu_attention_with_kv_cache, query=q, key_cache=k_cache, value_cache=v_cache,
-        output=torch.empty_like(q), query_start_loc=starts, seq_lens=lens, scale=d**-0.5, causal=True,
-        alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0, scheduler_metadata=meta, s_aux=None,
-    )  # fmt: skip
+    return _cpu_attn_call(vllm_ops, q, k_cache, v_cache, starts, lens, table)
 
 
 def bench_ops(
@@ -280,22 +295,14 @@ def _vllm_cpu_prefill(chunk: int, seq_len: int, q: torch.Tensor, g: torch.Genera
         from vllm import _custom_ops as vllm_ops
     except ImportError:
         return None
-    hq, h, d, t = SMOLLM2["q_heads"], SMOLLM2["kv_heads"], SMOLLM2["head_dim"], 128
+    h, d, t = SMOLLM2["kv_heads"], SMOLLM2["head_dim"], 128
     nb = -(-seq_len // t)
     kv = torch.randn(nb, h, t, 2 * d, generator=g).to(torch.bfloat16)
     k_cache, v_cache = kv.view(nb, h, 2 * t, d).chunk(2, dim=2)
     starts = torch.tensor([0, chunk], dtype=torch.int32)
     lens = torch.tensor([seq_len], dtype=torch.int32)
     table = torch.arange(nb, dtype=torch.int32)[None]
-    meta = vllm_ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=hq, num_kv_heads=h, head_dim=d, seq_lens=lens, dtype=torch.bfloat16,
-        query_start_loc=starts, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False,
-    )  # fmt: skip
-    return functools.partial(
-        vllm_ops.cpu_attention_with_kv_cache, query=q, key_cache=k_cache, value_cache=v_cache,
-        output=torch.empty_like(q), query_start_loc=starts, seq_lens=lens, scale=d**-0.5, causal=True,
-        alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0, scheduler_metadata=meta, s_aux=None,
-    )  # fmt: skip
+    return _cpu_attn_call(vllm_ops, q, k_cache, v_cache, starts, lens, table)
 
 
 def prefill_table(rows: list[dict[str, Any]]) -> str:
