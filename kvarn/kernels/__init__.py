@@ -6,30 +6,42 @@ from :mod:`kvarn.kernels.configs`. Every kernel is specialized through ``tl.cons
 scheme (bits, group size, head_dim, rotation, iterations, scale storage): one source for every
 scheme, compiled once per specialization by Triton's cache. Without CUDA, run them under
 ``TRITON_INTERPRET=1`` (correctness only).
+
+The CPU kernels (:mod:`kvarn.kernels.cpu`, :mod:`kvarn.kernels.cpu_store`) do not need Triton, so
+the names below are imported on first use (PEP 562): importing a CPU module of this package does
+not import Triton.
 """
 
-from kvarn.kernels._checks import KernelArgumentError
-from kvarn.kernels.configs import KernelConfig, decode_configs, dequant_configs, prefill_configs, store_configs
-from kvarn.kernels.ops import (
-    choose_num_splits,
-    decode_attention,
-    prefill_attention,
-    quantize_tiles_triton,
-    split_lengths,
-    store_tiles,
-)
+from __future__ import annotations
 
-__all__ = [
-    "KernelArgumentError",
-    "KernelConfig",
-    "choose_num_splits",
-    "decode_attention",
-    "decode_configs",
-    "dequant_configs",
-    "prefill_attention",
-    "prefill_configs",
-    "quantize_tiles_triton",
-    "split_lengths",
-    "store_configs",
-    "store_tiles",
-]
+import importlib
+from typing import Any
+
+_LAZY = {
+    "KernelArgumentError": "kvarn.kernels._checks",
+    "KernelConfig": "kvarn.kernels.configs",
+    "decode_configs": "kvarn.kernels.configs",
+    "dequant_configs": "kvarn.kernels.configs",
+    "prefill_configs": "kvarn.kernels.configs",
+    "store_configs": "kvarn.kernels.configs",
+    "choose_num_splits": "kvarn.kernels.ops",
+    "decode_attention": "kvarn.kernels.ops",
+    "prefill_attention": "kvarn.kernels.ops",
+    "quantize_tiles_triton": "kvarn.kernels.ops",
+    "split_lengths": "kvarn.kernels.ops",
+    "store_tiles": "kvarn.kernels.ops",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
