@@ -7,7 +7,9 @@ record of :func:`kvarn.codec.quantize_tiles`, so a layer's page is ``tile_bytes(
 writes) gives its layers different page sizes, which vLLM keeps in one KV-cache group
 (``UniformTypeKVCacheSpecs``: a block's bytes are the sum of the layers' pages). vLLM derives the
 number of blocks, and so the KV tokens it reports, from that sum, so a mixed preset gets exactly
-its byte ratio (less the pools below).
+its byte ratio (less the pools below). A layer the preset keeps unquantized (an fp16 override) is
+not served here: the plugin lists it in vLLM's ``kv_cache_dtype_skip_layers``, so vLLM builds it with
+its own 16-bit cache, spec and attention backend, in the same group (its 16-bit page adds to the sum).
 
 Partially filled tiles live in a staging pool (:mod:`kvarn.vllm.staging`) and, for schemes with a
 sink (exact first tokens, or KVarN's 16-bit first tile), each sequence's first tokens in a sink
@@ -83,19 +85,23 @@ def layer_page_bytes(scheme: Scheme, head_dim: int, layer: int) -> int:
     s = scheme.for_layer(layer)
     if s is None:
         raise ValueError(
-            f"{scheme.name}: layer {layer} is unquantized (fp16 override); the vLLM backend stores "
-            "every layer it serves as packed tiles. Use a preset without fp16 layer overrides."
+            f"{scheme.name}: layer {layer} is unquantized (fp16 override): it is served by vLLM's own cache "
+            "(the plugin lists it in kv_cache_dtype_skip_layers), never by the kvarn backend"
         )
     return s.tile_bytes(head_dim)
 
 
 def page_bytes(scheme: Scheme, head_dim: int, num_layers: int) -> int:
-    """Bytes of the widest page per KV head over ``num_layers`` layers (checks every layer).
+    """Bytes of the widest page per KV head over the quantized layers of ``num_layers`` (fp16-override
+    layers are vLLM's: :func:`kvarn.vllm.plugin.keep_16bit_layers`).
 
     Used where vLLM asks for a spec without saying which layer (``customize_spec`` from its
     block-size alignment); each layer's own spec uses :func:`layer_page_bytes`.
     """
-    return max(layer_page_bytes(scheme, head_dim, layer) for layer in range(max(num_layers, 1)))
+    quantized = [i for i in range(max(num_layers, 1)) if scheme.for_layer(i) is not None]
+    if not quantized:
+        raise ValueError(f"{scheme.name}: every one of the {num_layers} layers is unquantized (fp16 overrides)")
+    return max(layer_page_bytes(scheme, head_dim, layer) for layer in quantized)
 
 
 def packed_spec(spec: AttentionSpec, scheme: Scheme, content_bytes: int) -> AttentionSpec:
@@ -419,7 +425,7 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
             from vllm.model_executor.models.utils import extract_layer_index
 
             s = self.scheme.for_layer(extract_layer_index(layer.layer_name))
-            if s is None:  # rejected at start-up by page_bytes; kept for safety
+            if s is None:  # the plugin gives such layers to vLLM's own cache; kept for safety
                 raise ValueError(f"{self.scheme.name}: layer {layer.layer_name} is unquantized")
             self.layer_scheme = s
         return self.layer_scheme

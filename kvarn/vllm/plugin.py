@@ -184,12 +184,52 @@ def check_model(name: str, vllm_config: Any) -> None:
     block = vllm_config.cache_config.block_size
     if model is not None:
         _check_layers(name, model)
+        _check_fp16_layers(name, scheme, model)
     if block != scheme.group_size:
         raise ValueError(
             f"kv_cache_dtype={name!r} needs block_size={scheme.group_size} (one vLLM block = one tile), "
             f"got block_size={block}; pass block_size={scheme.group_size} (--block-size {scheme.group_size}) "
             "or leave it unset"
         )
+
+
+def fp16_layers(scheme: Any, num_layers: int) -> list[int]:
+    """The layers a scheme keeps unquantized (``_L{a}-{b}fp16`` overrides), of ``num_layers``."""
+    return [i for i in range(num_layers) if scheme.for_layer(i) is None]
+
+
+def _check_fp16_layers(name: str, scheme: Any, model: Any) -> None:
+    """fp16 layer overrides are served by vLLM's own cache (:func:`keep_16bit_layers`): a full-attention
+    layer must be left for kvarn, and (not implemented) none may be a full-attention layer beside
+    sliding-window layers. An override on a sliding-window layer changes nothing (it is 16-bit)."""
+    types = layer_types(model.hf_text_config)
+    fp16 = fp16_layers(scheme, len(types))
+    full_fp16 = [i for i in fp16 if types[i] == FULL]
+    if not full_fp16:
+        return
+    if SLIDING in types:
+        raise ValueError(
+            f"kv_cache_dtype={name!r} cannot serve {model.model}: fp16 layer overrides on full-attention "
+            f"layers ({_ranges(full_fp16)}) of a model with sliding-window layers are not supported (their "
+            "16-bit pages would not fit the page the sliding and kvarn layers share). Use a preset without "
+            "them for this model."
+        )
+    if len(full_fp16) == types.count(FULL):
+        raise ValueError(
+            f"kv_cache_dtype={name!r} keeps every layer of {model.model} unquantized (fp16 overrides on "
+            f"layers {_ranges(fp16)}): nothing would be quantized (use kv_cache_dtype='auto')"
+        )
+
+
+def _ranges(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    for i in layers:
+        if out and out[-1].split("-")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
 
 
 def _check_layers(name: str, model: Any) -> None:
@@ -247,18 +287,48 @@ def layer_types(hf_config: Any) -> list[str]:
     return [SLIDING if sliding else FULL] * max(n, 1)
 
 
-def keep_sliding_16bit(vllm_config: Any) -> bool:
-    """For a model with sliding-window layers beside full-attention ones: serve the sliding layers
-    with vLLM's own 16-bit cache, spec and attention (``kv_cache_dtype_skip_layers`` gets
-    ``sliding_window``); kvarn quantizes the full-attention layers. Returns whether it did."""
+def keep_16bit_layers(vllm_config: Any) -> list[str]:
+    """Give the layers kvarn does not quantize to vLLM's own 16-bit cache, spec and attention backend,
+    through vLLM's ``kv_cache_dtype_skip_layers`` (vLLM 0.32 and 0.33 build a layer with
+    ``kv_cache_dtype="auto"`` when its index, as a string, or ``"sliding_window"`` for a layer with a
+    window, is in that list): ``sliding_window`` for a model with sliding-window layers beside
+    full-attention ones, and the index of every layer the scheme keeps unquantized (fp16 overrides).
+    kvarn quantizes the rest. Returns the entries it added."""
     model = vllm_config.model_config
-    if model is None or SLIDING not in layer_types(model.hf_text_config):
-        return False
     cache = vllm_config.cache_config
-    if "sliding_window" not in cache.kv_cache_dtype_skip_layers:
-        cache.kv_cache_dtype_skip_layers = sorted({*cache.kv_cache_dtype_skip_layers, "sliding_window"})
+    if model is None:
+        return []
+    types = layer_types(model.hf_text_config)
+    wanted = ["sliding_window"] if SLIDING in types else []
+    fp16 = fp16_layers(get_preset(cache.cache_dtype).scheme, len(types))
+    wanted += [str(i) for i in fp16]
+    added = [w for w in wanted if w not in cache.kv_cache_dtype_skip_layers]
+    if added:
+        cache.kv_cache_dtype_skip_layers = sorted({*cache.kv_cache_dtype_skip_layers, *added})
+    if SLIDING in types:
         logger.info("kvarn %s: sliding-window layers stay 16-bit (vLLM's own cache)", cache.cache_dtype)
-    return True
+    if fp16:
+        logger.info(
+            "kvarn %s: layers %s stay unquantized on vLLM's own cache (%s); %.3f bits per cached number over "
+            "the %d layers",
+            cache.cache_dtype,
+            _ranges(fp16),
+            model.dtype,
+            served_bits(get_preset(cache.cache_dtype).scheme, model.get_head_size(), len(types), model.dtype),
+            len(types),
+        )
+    return added
+
+
+def served_bits(scheme: Any, head_dim: int, num_layers: int, dtype: torch.dtype) -> float:
+    """Stored bits per cached number over ``num_layers`` full-attention layers as vLLM serves them:
+    each quantized layer its own scheme's packed tiles, each fp16-override layer vLLM's own cache in
+    the model dtype (16 bits for bfloat16 / float16, 32 for float32). Pools and sinks not counted.
+
+    Equals ``scheme.bits_per_element(head_dim, num_layers)`` for a 16-bit model dtype."""
+    bits = 8.0 * dtype.itemsize
+    per = [bits if (s := scheme.for_layer(i)) is None else s.bits_per_element(head_dim) for i in range(num_layers)]
+    return sum(per) / len(per)
 
 
 def _patch_engine_args() -> None:
@@ -289,7 +359,7 @@ def _patch_engine_args() -> None:
         config = create(self, *args, **kwargs)
         if is_kvarn_dtype(config.cache_config.cache_dtype):
             check_model(config.cache_config.cache_dtype, config)
-            keep_sliding_16bit(config)
+            keep_16bit_layers(config)
         return config
 
     EngineArgs.__post_init__ = __post_init__  # type: ignore[method-assign]

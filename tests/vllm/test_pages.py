@@ -5,7 +5,11 @@ scheme's tile record; vLLM keeps those layers in one KV-cache group (``UniformTy
 a block's bytes are the sum of the layers' pages), so the KV tokens it reports are the KV memory,
 less kvarn's pools, over the *summed* tile records, not over 30 copies of the widest one.
 
-One engine (SmolLM2-135M, the settings of ``test_e2e``), and the reference path on the same tokens:
+A preset that keeps some layers unquantized (``_L{i}fp16``, what ``kvarn-tune`` may write) is served
+with those layers on vLLM's own 16-bit cache and attention (the plugin lists their indices in
+``kv_cache_dtype_skip_layers``), in the same group: their 16-bit pages add to the summed page.
+
+Two engines (SmolLM2-135M, the settings of ``test_e2e``), and the reference path on the same tokens:
 ``kvarn.eval``'s harness (transformers, float32, the same preset in chunks of one tile: vLLM's
 tile-causal reading) and its fp16-cache reference (log-probs per position, greedy continuation).
 """
@@ -43,6 +47,14 @@ def _mixed() -> Any:
     return Scheme(4, 2, TILE, sink_tokens=0, overrides=overrides)
 
 
+def _fp16_ends() -> Any:
+    """k4v2 on 128-token tiles with the first and the last layer unquantized (fp16 overrides)."""
+    from kvarn.schemes import Scheme
+    from kvarn.schemes.scheme import LayerOverride
+
+    return Scheme(4, 2, TILE, sink_tokens=0, overrides=(LayerOverride(0, 0), LayerOverride(29, 29)))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _plugin() -> None:
     from kvarn.vllm.plugin import register
@@ -51,11 +63,16 @@ def _plugin() -> None:
 
 
 @pytest.fixture(scope="module")
-def reference() -> SimpleNamespace:
-    """The harness on the prompt: the mixed preset's metrics, fp16-cache log-probs and greedy tokens."""
+def evaluator() -> Any:
     from kvarn.eval import Evaluator
 
-    ev = Evaluator("smollm2-135m", tokens=PROMPT_LEN, chunk=TILE, greedy_tokens=GEN_LEN)
+    return Evaluator("smollm2-135m", tokens=PROMPT_LEN, chunk=TILE, greedy_tokens=GEN_LEN)
+
+
+@pytest.fixture(scope="module")
+def reference(evaluator: Any) -> SimpleNamespace:
+    """The harness on the prompt: the mixed preset's metrics, fp16-cache log-probs and greedy tokens."""
+    ev = evaluator
     result = ev.evaluate(_mixed(), greedy=False, progress=False)
     logp = ev.reference()  # [PROMPT_LEN - 1, vocab] float32
     targets = ev.ids[0, 1:PROMPT_LEN]
@@ -70,6 +87,11 @@ def reference() -> SimpleNamespace:
 @pytest.fixture(scope="module")
 def mixed_run(reference: SimpleNamespace) -> RunResult:
     return _run(_mixed().name, reference=reference.generated)
+
+
+@pytest.fixture(scope="module")
+def fp16_run(reference: SimpleNamespace) -> RunResult:
+    return _run(_fp16_ends().name, reference=reference.generated)
 
 
 @pytest.mark.slow
@@ -104,6 +126,52 @@ def test_mixed_preset_agrees_with_the_reference_path(mixed_run: RunResult, refer
     res = reference.result
     assert abs(top1 - res.top1_agreement) <= 0.06, (top1, res.top1_agreement)
     assert abs(dppl - res.delta_ppl_pct) <= 2.0, (dppl, res.delta_ppl_pct)
+
+
+@pytest.mark.slow
+def test_fp16_layers_served_by_vllms_cache(fp16_run: RunResult, reference: SimpleNamespace, evaluator: Any) -> None:
+    """Layers 0 and 29 unquantized: they get vLLM's 16-bit pages (one 128-token bf16 block each) in
+    the group, the 28 others kvarn's, and the pools are the 28 kvarn layers' only. KV tokens are
+    exactly (1 GiB - pools) / summed pages; the output is fluent, agrees with the fp16 reference as
+    the all-quantized presets do, and the prompt's top-1 / perplexity change agree with the harness
+    running the same preset (fp16 layers exact there)."""
+    import torch
+
+    from kvarn.vllm.plugin import served_bits
+    from kvarn.vllm.pools import pool_bytes
+
+    scheme = _fp16_ends()
+    kvarn = [i for i in range(LAYERS) if scheme.for_layer(i) is not None]
+    assert len(kvarn) == 28
+    bf16_page = TILE * KV_HEADS * 2 * HEAD_DIM * 2  # 98,304 bytes: keys and values of 128 tokens
+    pages = sum(KV_HEADS * scheme.for_layer(i).tile_bytes(HEAD_DIM) for i in kvarn) + 2 * bf16_page
+    pools = len(kvarn) * pool_bytes(scheme, KV_HEADS, HEAD_DIM, torch.bfloat16, 4)
+    assert fp16_run.kv_tokens == (2**30 - pools) // pages * TILE
+    bf16 = 46592  # the default cache's KV tokens for the same 1 GiB (test_e2e.test_c)
+    bits = served_bits(scheme, HEAD_DIM, LAYERS, torch.bfloat16)
+    assert bits == pytest.approx(scheme.bits_per_element(HEAD_DIM, num_layers=LAYERS)) == pytest.approx(4.3917, 1e-4)
+    assert fp16_run.kv_tokens / bf16 == pytest.approx(16 / bits, rel=0.015)
+    _check_fluent_and_agrees(fp16_run, SimpleNamespace(generated=reference.generated))  # type: ignore[arg-type]
+    res = evaluator.evaluate(scheme, greedy=False, progress=False)
+    n = PROMPT_LEN - 1
+    top1 = sum(a == b for a, b in zip(fp16_run.prompt_top1, reference.top1, strict=True)) / n
+    dppl = 100 * (math.exp(-sum(fp16_run.prompt_logprobs) / n - reference.nll) - 1)
+    assert abs(top1 - res.top1_agreement) <= 0.06, (top1, res.top1_agreement)
+    assert abs(dppl - res.delta_ppl_pct) <= 2.0, (dppl, res.delta_ppl_pct)
+
+
+def test_page_bytes_skip_fp16_layers() -> None:
+    """The widest kvarn page is over the quantized layers; an fp16 layer has no kvarn page."""
+    from kvarn.schemes import Scheme
+    from kvarn.vllm.backend import layer_page_bytes, page_bytes
+
+    s = Scheme.from_name("kvarn_k4v2_g128_L0fp16_L1k4v4")
+    assert page_bytes(s, 64, 30) == Scheme(4, 4, 128).tile_bytes(64)
+    assert page_bytes(Scheme.from_name("kvarn_k4v2_g128_L0fp16"), 64, 30) == Scheme(4, 2, 128).tile_bytes(64)
+    with pytest.raises(ValueError, match="layer 0 is unquantized .* vLLM's own cache"):
+        layer_page_bytes(s, 64, 0)
+    with pytest.raises(ValueError, match="every one of the 2 layers is unquantized"):
+        page_bytes(Scheme.from_name("kvarn_k4v2_g128_L0-1fp16"), 64, 2)
 
 
 def test_builders_of_one_model_share_one_planner(tmp_path: Any) -> None:
