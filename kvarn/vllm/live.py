@@ -10,6 +10,10 @@ publishes into :data:`kvarn.vllm.staging.LIVE_BLOCKS`:
   rolls a request back into a tile it had completed);
 * ``"first"``: each live request's first block (the key of its sink slot).
 
+Only the KV-cache groups that hold kvarn layers are read, each at its own block size: a model with
+sliding-window layers has further groups of vLLM's own cache, whose blocks (other ids, often
+32-token blocks) are no staging keys.
+
 Preempted requests are not live: vLLM frees their blocks, and they recompute their tokens when they
 resume. Installed by :class:`kvarn.vllm.backend.KvarnAttentionImpl` in the worker process.
 """
@@ -21,24 +25,52 @@ from typing import Any
 from kvarn.vllm.staging import LIVE_BLOCKS
 
 
+def kvarn_groups(runner: Any) -> list[tuple[int, int]]:
+    """``(group index, block size)`` of the runner's KV-cache groups that hold kvarn layers.
+
+    Every group has its own block size (a sliding-window group of vLLM's own cache may use 32-token
+    blocks beside kvarn's 128-token tiles) and its own block ids in ``req.block_ids[group]``; the
+    staging and sink pools key on kvarn blocks only. Cached on the runner per ``kv_cache_config``.
+    Before the KV cache exists (no ``kv_cache_config``): group 0 at the configured block size.
+    """
+    config = getattr(runner, "kv_cache_config", None)
+    cached = runner.__dict__.get("_kvarn_groups")
+    if cached is not None and cached[0] is config:
+        return list(cached[1])
+    if config is None:
+        return [(0, int(runner.cache_config.block_size))]
+    from kvarn.vllm.backend import KvarnAttentionImpl
+
+    layers = runner.compilation_config.static_forward_context
+    kvarn = {n for n, a in layers.items() if isinstance(getattr(a, "impl", None), KvarnAttentionImpl)}
+    groups = [
+        (i, int(g.kv_cache_spec.block_size)) for i, g in enumerate(config.kv_cache_groups) if set(g.layer_names) & kvarn
+    ]
+    runner.__dict__["_kvarn_groups"] = (config, groups)
+    return groups
+
+
 def publish(runner: Any, scheduler_output: Any) -> None:
-    """Fill :data:`LIVE_BLOCKS` from a model runner's requests after it applied ``scheduler_output``."""
+    """Fill :data:`LIVE_BLOCKS` from a model runner's requests after it applied ``scheduler_output``.
+
+    Only the groups of kvarn layers count, each at its own block size (:func:`kvarn_groups`)."""
     preempted: set[str] = runner.__dict__.setdefault("_kvarn_preempted", set())
     preempted |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
     preempted -= set(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
     preempted &= set(runner.requests)
-    t = int(runner.cache_config.block_size)
+    groups = kvarn_groups(runner)
     blocks: set[int] = set()
     first: set[int] = set()
     for rid, req in runner.requests.items():
         if rid in preempted:
             continue
-        at = int(req.num_computed_tokens) // t
-        for ids in req.block_ids:
-            if ids:
-                first.add(ids[0])
-                if at < len(ids):
-                    blocks.add(ids[at])
+        for g, t in groups:
+            if g >= len(req.block_ids) or not (ids := req.block_ids[g]):
+                continue
+            first.add(ids[0])
+            at = int(req.num_computed_tokens) // t
+            if at < len(ids):
+                blocks.add(ids[at])
     LIVE_BLOCKS["blocks"], LIVE_BLOCKS["first"] = blocks, first
 
 

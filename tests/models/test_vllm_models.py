@@ -1,7 +1,9 @@
 """Which models the vLLM backend serves, checked in vLLM's front end (issue 13, deliver 1, 3, 5).
 
 Config-only model folders (no weights, nothing downloaded): ``EngineArgs.create_engine_config``
-runs kvarn's start-up checks, as ``LLM()`` and ``vllm serve`` do before any engine process starts.
+runs kvarn's start-up checks, as ``LLM()`` and ``vllm serve`` do before any engine process starts;
+it also shows which layers the plugin gives to vLLM's own cache (``kv_cache_dtype_skip_layers``:
+sliding-window layers, and fp16-override layers by index).
 """
 
 from __future__ import annotations
@@ -126,31 +128,86 @@ def test_sliding_and_full_layers_keep_sliding_16bit(tmp_path: Path) -> None:
     assert config.cache_config.block_size == 128
 
 
-def _serve(folder: Path, dtype: str) -> tuple[int, list[str], list[int]]:
-    """One engine on ``folder``: (vLLM's group-aware KV-cache size in tokens at max_model_len 1024,
-    the layers served by vLLM's own cache, 32 greedy tokens after 400 bytes of GPL-3)."""
+def test_fp16_override_layers_go_to_vllms_cache(tmp_path: Path) -> None:
+    """A preset with layers 0 and 3 unquantized on a 4-layer Llama: their indices join
+    ``kv_cache_dtype_skip_layers`` (vLLM then builds them with ``kv_cache_dtype="auto"``)."""
+    from tests.models.builders import llama_config
+
+    config = _config(tmp_path, llama_config(layers=4), "kvarn_k4v2_g128_L0fp16_L3fp16")
+    assert config.cache_config.kv_cache_dtype_skip_layers == ["0", "3"]
+    assert config.cache_config.block_size == 128
+
+
+def test_every_layer_fp16_refused(tmp_path: Path) -> None:
+    from tests.models.builders import llama_config
+
+    with pytest.raises(ValueError) as err:
+        _config(tmp_path, llama_config(layers=4), "kvarn_k4v2_g128_L0-3fp16")
+    assert "fp16 overrides on layers 0-3): nothing would be quantized" in str(err.value)
+
+
+def test_fp16_full_layers_beside_sliding_layers_refused(tmp_path: Path) -> None:
+    """Gemma-3-like, 12 layers (5 and 11 full): an fp16 override on layer 5 is refused; one on a
+    sliding layer changes nothing (sliding layers are 16-bit anyway) and is accepted."""
+    from tests.models.builders import gemma3_config
+
+    with pytest.raises(ValueError) as err:
+        _config(tmp_path / "a", gemma3_config(hidden=64, layers=12, window=48), "kvarn_k4v2_g128_L5fp16")
+    assert "fp16 layer overrides on full-attention layers (5) of a model with sliding-window layers" in str(err.value)
+    config = _config(tmp_path / "b", gemma3_config(hidden=64, layers=12, window=48), "kvarn_k4v2_g128_L0-1fp16")
+    assert config.cache_config.kv_cache_dtype_skip_layers == ["0", "1", "sliding_window"]
+
+
+def test_served_bits_count_fp16_layers_at_the_cache_dtype() -> None:
+    """Bits per cached number as vLLM serves the preset: fp16 layers at the model dtype's width."""
+    import torch
+
+    from kvarn.schemes import Scheme
+    from kvarn.vllm.plugin import served_bits
+
+    s = Scheme.from_name("kvarn_k4v2_g128_L0fp16_L3fp16")
+    packed = Scheme(4, 2, 128).bits_per_element(64)  # 3.5625 at head_dim 64
+    assert served_bits(s, 64, 4, torch.bfloat16) == pytest.approx((2 * packed + 2 * 16) / 4)
+    assert served_bits(s, 64, 4, torch.bfloat16) == pytest.approx(s.bits_per_element(64, num_layers=4))
+    assert served_bits(s, 64, 4, torch.float32) == pytest.approx((2 * packed + 2 * 32) / 4)
+
+
+def _serve(folder: Path, dtype: str) -> tuple[int, int, list[str], list[int]]:
+    """One engine on ``folder``: (:func:`kvarn.vllm.engine.kv_tokens`, vLLM's KV blocks, the layers
+    served by vLLM's own cache, 32 greedy tokens after 400 bytes of GPL-3); max_model_len 1024."""
     import os
 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvarn.vllm.engine import cpu_engine
+    from kvarn.vllm.engine import cpu_engine, kv_tokens
 
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     ids = list((Path(__file__).parents[2] / "kvarn" / "data" / "gpl-3.txt").read_bytes()[:400])
     with cpu_engine(str(folder), dtype, max_num_seqs=4, max_num_batched_tokens=256, dtype="bfloat16") as llm:
         cache = llm.llm_engine.vllm_config.cache_config
-        size, skipped = int(cache.kv_cache_size_tokens), list(cache.kv_cache_dtype_skip_layers)
+        assert kv_tokens(llm) == cache.kv_cache_size_tokens  # vLLM's own figure, as it logs it
+        size, blocks, skipped = kv_tokens(llm), int(cache.num_gpu_blocks), list(cache.kv_cache_dtype_skip_layers)
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=32, temperature=0))
-    return size, skipped, list(out[0].outputs[0].token_ids)
+    return size, blocks, skipped, list(out[0].outputs[0].token_ids)
 
 
 @pytest.mark.slow
 def test_gemma3_like_served_with_sliding_layers_16bit(gemma_folder: Path) -> None:
     """Five sliding layers (window 48) on vLLM's own backend and cache, the full layer on kvarn's:
     it generates, and vLLM's own group-aware KV capacity at 1024 tokens is >= 1.5x the default's
-    (all 16-bit would give 1x)."""
-    kvarn_size, skipped, tokens = _serve(gemma_folder, "kvarn_k4v2_g128")
-    default_size, _, _ = _serve(gemma_folder, "auto")
+    (all 16-bit would give 1x).
+
+    The capacity (:func:`kvarn.vllm.engine.kv_tokens`) counts the blocks a 1024-token request holds
+    in every KV-cache group: 8 tiles of the full layer, and per sliding layer (a group each) the
+    window plus one 256-token chunk in 32-token blocks, plus one: cdiv(47 + 256, 32) + 1 = 11. Blocks
+    x 128 would overstate it several times."""
+    from tests.models.conftest import WINDOW
+
+    kvarn_size, blocks, skipped, tokens = _serve(gemma_folder, "kvarn_k4v2_g128")
+    default_size, _, _, _ = _serve(gemma_folder, "auto")
     assert skipped == ["sliding_window"] and len(tokens) == 32
+    per_request = 1024 // 128 + 5 * (-(-(WINDOW - 1 + 256) // 32) + 1)
+    assert kvarn_size == int(blocks / per_request * 1024), (kvarn_size, blocks)
+    assert kvarn_size * 4 < blocks * 128
     assert kvarn_size >= 1.5 * default_size, (kvarn_size, default_size)
