@@ -31,9 +31,10 @@ from kvarn.vllm.engine import cpu_engine, kv_tokens
 
 
 def pools_mib(llm: Any) -> float:
-    """MiB of kvarn's staging and sink pools in this engine (0 for other dtypes)."""
+    """MiB of kvarn's staging and sink pools in this engine (0 for other dtypes): one pool per layer
+    kvarn serves, none for sliding-window layers or a preset's fp16 layers (vLLM's own cache)."""
     from kvarn.schemes import get_preset
-    from kvarn.vllm.plugin import is_kvarn_dtype
+    from kvarn.vllm.plugin import FULL, fp16_layers, is_kvarn_dtype, layer_types
     from kvarn.vllm.pools import pool_bytes
 
     cfg = llm.llm_engine.vllm_config
@@ -43,7 +44,13 @@ def pools_mib(llm: Any) -> float:
     scheme = get_preset(cfg.cache_config.cache_dtype).scheme
     heads = model.get_num_kv_heads(cfg.parallel_config)
     per_layer = pool_bytes(scheme, heads, model.get_head_size(), model.dtype, cfg.scheduler_config.max_num_seqs)
-    return round(per_layer * model.get_num_layers(cfg.parallel_config) / 2**20, 2)
+    layers = model.get_num_layers(cfg.parallel_config)
+    types = layer_types(getattr(model, "hf_text_config", None) or model.hf_config)
+    fp16 = set(fp16_layers(scheme, layers))
+    # only full-attention layers kvarn quantizes have pools: sliding-window layers and fp16 overrides
+    # live in vLLM's own 16-bit cache
+    kvarn_layers = sum(1 for i in range(layers) if i not in fp16 and (types[i] if i < len(types) else FULL) == FULL)
+    return round(per_layer * kvarn_layers / 2**20, 2)
 
 
 def byte_ratio(llm: Any) -> float | None:
