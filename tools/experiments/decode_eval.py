@@ -124,3 +124,23 @@ if __name__ == "__main__":
     print(f"reference ppl {math.exp(ev.ref_nll):.4f}")
     for name in ("kvarn_k4v2_g128",):
         print(name, ev.evaluate(scheme_roundtrip(name)), flush=True)
+
+
+Rows = list[tuple[str, RoundTrip]]
+
+
+def layouts(which: str) -> list[str]:
+    """Base names of the layouts a batch's ``which`` argument selects: ``k4v4``, ``k4v2`` or ``all``."""
+    return [f"kvarn_{lay}_g128" for lay in ("k4v4", "k4v2") if which in (lay, "all")]
+
+
+def run_rows(rows: Callable[[str], Rows]) -> None:
+    """Command line of a batch script: ``[which] [threads]``; prints each row's decode-mode metrics
+    with one exact first token (the default)."""
+    import sys
+
+    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else torch.get_num_threads())
+    ev = DecodeEval()
+    for label, rt in rows(which):
+        print(label, ev.evaluate(rt, sink_tokens=1), flush=True)

@@ -9,11 +9,7 @@ Run: ``.venv/bin/python -m tools.experiments.run_batch5 [attr|diffuse|all]``.
 
 from __future__ import annotations
 
-import sys
-
-import torch
-
-from tools.experiments.decode_eval import DecodeEval, RoundTrip, scheme_roundtrip
+from tools.experiments.decode_eval import RoundTrip, Rows, run_rows, scheme_roundtrip
 from tools.experiments.variants import variant_roundtrip
 
 
@@ -25,11 +21,8 @@ def values_exact(rt: RoundTrip) -> RoundTrip:
     return lambda k, v: (rt(k, v)[0], v)
 
 
-if __name__ == "__main__":
-    which = sys.argv[1] if len(sys.argv) > 1 else "all"
-    torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else torch.get_num_threads())
-    ev = DecodeEval()
-    runs: list[tuple[str, RoundTrip]] = []
+def rows(which: str) -> Rows:
+    runs: Rows = []
     if which in ("diffuse", "all"):
         runs.append(("kvarn_k4v2_g128 reference", scheme_roundtrip("kvarn_k4v2_g128")))
         for d in (0.5, 1.0):
@@ -39,5 +32,8 @@ if __name__ == "__main__":
             ref = scheme_roundtrip(name)
             runs += [(f"{name} reference", ref), (f"{name} keys exact", keys_exact(ref))]
             runs += [(f"{name} values exact", values_exact(ref))]
-    for label, rt in runs:
-        print(label, ev.evaluate(rt, sink_tokens=1), flush=True)
+    return runs
+
+
+if __name__ == "__main__":
+    run_rows(rows)

@@ -10,11 +10,7 @@ Run: ``.venv/bin/python -m tools.experiments.run_batch7 [k4v4|k4v2|all] [threads
 
 from __future__ import annotations
 
-import sys
-
-import torch
-
-from tools.experiments.decode_eval import DecodeEval, RoundTrip, scheme_roundtrip
+from tools.experiments.decode_eval import RoundTrip, Rows, layouts, run_rows, scheme_roundtrip
 
 
 def mixed(key_scheme: str, value_scheme: str) -> RoundTrip:
@@ -22,16 +18,13 @@ def mixed(key_scheme: str, value_scheme: str) -> RoundTrip:
     return lambda k, v: (rk(k, v)[0], rv(k, v)[1])
 
 
-if __name__ == "__main__":
-    which = sys.argv[1] if len(sys.argv) > 1 else "all"
-    torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else torch.get_num_threads())
-    ev = DecodeEval()
-    runs: list[tuple[str, RoundTrip]] = []
-    for layout in ("k4v4", "k4v2"):
-        if which not in (layout, "all"):
-            continue
-        base = f"kvarn_{layout}_g128"
+def rows(which: str) -> Rows:
+    runs: Rows = []
+    for base in layouts(which):
         runs.append((f"{base}: keys _rot-none, values hadamard", mixed(base + "_rot-none", base)))
         runs.append((f"{base}_rot-none (both sides)", scheme_roundtrip(base + "_rot-none")))
-    for label, rt in runs:
-        print(label, ev.evaluate(rt, sink_tokens=1), flush=True)
+    return runs
+
+
+if __name__ == "__main__":
+    run_rows(rows)

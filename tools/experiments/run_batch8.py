@@ -10,24 +10,15 @@ Run: ``.venv/bin/python -m tools.experiments.run_batch8 [k4v4|k4v2|all] [threads
 
 from __future__ import annotations
 
-import sys
-
-import torch
-
-from tools.experiments.decode_eval import DecodeEval, RoundTrip
+from tools.experiments.decode_eval import Rows, layouts, run_rows
 from tools.experiments.variants import variant_roundtrip
 
 RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 
+
+def rows(which: str) -> Rows:
+    return [(f"{base} keys clip search", variant_roundtrip(base, k_clip=RATIOS)) for base in layouts(which)]
+
+
 if __name__ == "__main__":
-    which = sys.argv[1] if len(sys.argv) > 1 else "all"
-    torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else torch.get_num_threads())
-    ev = DecodeEval()
-    runs: list[tuple[str, RoundTrip]] = []
-    for layout in ("k4v4", "k4v2"):
-        if which not in (layout, "all"):
-            continue
-        base = f"kvarn_{layout}_g128"
-        runs.append((f"{base} keys clip search", variant_roundtrip(base, k_clip=RATIOS)))
-    for label, rt in runs:
-        print(label, ev.evaluate(rt, sink_tokens=1), flush=True)
+    run_rows(rows)
