@@ -43,9 +43,16 @@ def store_configs(scheme: Scheme, head_dim: int) -> list[KernelConfig]:
     by column chunks. Measured with ``tools/compile_gate.py`` (k4v2_g128, 8 warps): row chunks of
     1024 elements spilled 8-28 bytes on sm_90 at head_dim 64 and sm_80 at 256 (ptxas stops at 128
     registers), of 2048 about 700 bytes; 512 compiles to ~100-128 registers without spills.
+    The full matrix (``--full --only '^store'``, 2026-12-01; 8 warps) passed on sm_90 (97-102
+    registers) and on sm_80 but for a 3-bit side at head_dim 128 (k3v2_g128): ptxas kept it to 80
+    registers and spilled 68 bytes. With 4 warps it takes 128 registers and no spills on both archs.
+    A register cap does not help: ``maxnreg`` 128 or 168 at 8 warps, or 4 warps elsewhere, spilled
+    8-48 bytes on sm_90 (head_dim 64 and 256) where the uncapped 8-warp kernels did not.
     """
     t, d = scheme.group_size, head_dim
     rows, cols = min(t, max(1, 512 // d)), min(d, max(1, 2048 // t))
+    if head_dim == 128 and 3 in (scheme.key_bits, scheme.value_bits):
+        return [KernelConfig(4, 1, rows, cols), KernelConfig(8, 1, rows, cols)]
     return [KernelConfig(8, 1, rows, cols), KernelConfig(4, 1, rows, cols)]
 
 
