@@ -252,11 +252,14 @@ class Scheme:
         :meth:`bits_per_element` with ``context``)."""
         return 2 * self.sink_tokens * head_dim * 2
 
-    def bits_per_element(self, head_dim: int, num_layers: int | None = None, context: int | None = None) -> float:
+    def bits_per_element(
+        self, head_dim: int, num_layers: int | None = None, context: int | None = None, unquantized_bits: float = 16.0
+    ) -> float:
         """Stored bits per cached number (keys and values), every scale and zero point included.
 
         With per-layer overrides the figure depends on the layer count: pass ``num_layers``
-        (unquantized layers count 16 bits). Without it, the overrides are ignored.
+        (unquantized layers count ``unquantized_bits``, 16 by default; a server keeping them in a
+        float32 cache stores 32). Without it, the overrides are ignored.
 
         ``context``: spread the per-sequence sink cost over a sequence of this many tokens (the
         sink tile's 16-bit tokens instead of packed ones, or the exact sink-token copies). Without
@@ -276,7 +279,7 @@ class Scheme:
         total = 0.0
         for layer in range(num_layers):
             s = self.for_layer(layer)
-            total += 16.0 if s is None else s.bits_per_element(head_dim, context=context)
+            total += unquantized_bits if s is None else s.bits_per_element(head_dim, context=context)
         return total / num_layers
 
     def compression(self, head_dim: int, num_layers: int | None = None, context: int | None = None) -> float:

@@ -300,7 +300,8 @@ def keep_16bit_layers(vllm_config: Any) -> list[str]:
         return []
     types = layer_types(model.hf_text_config)
     wanted = ["sliding_window"] if SLIDING in types else []
-    fp16 = fp16_layers(get_preset(cache.cache_dtype).scheme, len(types))
+    scheme = get_preset(cache.cache_dtype).scheme
+    fp16 = fp16_layers(scheme, len(types))
     wanted += [str(i) for i in fp16]
     added = [w for w in wanted if w not in cache.kv_cache_dtype_skip_layers]
     if added:
@@ -314,7 +315,7 @@ def keep_16bit_layers(vllm_config: Any) -> list[str]:
             cache.cache_dtype,
             _ranges(fp16),
             model.dtype,
-            served_bits(get_preset(cache.cache_dtype).scheme, model.get_head_size(), len(types), model.dtype),
+            served_bits(scheme, model.get_head_size(), len(types), model.dtype),
             len(types),
         )
     return added
@@ -326,9 +327,7 @@ def served_bits(scheme: Any, head_dim: int, num_layers: int, dtype: torch.dtype)
     the model dtype (16 bits for bfloat16 / float16, 32 for float32). Pools and sinks not counted.
 
     Equals ``scheme.bits_per_element(head_dim, num_layers)`` for a 16-bit model dtype."""
-    bits = 8.0 * dtype.itemsize
-    per = [bits if (s := scheme.for_layer(i)) is None else s.bits_per_element(head_dim) for i in range(num_layers)]
-    return sum(per) / len(per)
+    return float(scheme.bits_per_element(head_dim, num_layers, unquantized_bits=8.0 * dtype.itemsize))
 
 
 def _patch_engine_args() -> None:
