@@ -132,6 +132,8 @@ def install_layer_specs() -> None:
         spec = original(self, vllm_config)
         if isinstance(impl, KvarnAttentionImpl) and isinstance(spec, AttentionSpec):
             spec = impl.layer_spec(spec, self.layer_name)
+            if shared is None and vllm_config.model_config is not None and vllm_config.model_config.is_hybrid:
+                shared = spec.block_size * hybrid_token_bytes(vllm_config)  # the Mamba pages' size
             if shared is not None and shared > spec.page_size_bytes:
                 spec = replace(spec, page_size_padded=shared)
         return spec
@@ -173,6 +175,48 @@ def shared_page(vllm_config: VllmConfig) -> int | None:
         for a in sliding
     )
     return int(max(widest, per_block))
+
+
+def hybrid_token_bytes(vllm_config: VllmConfig) -> int:
+    """Bytes per token of the widest kvarn page in a hybrid (Mamba / linear-attention) model, rounded up.
+
+    vLLM sizes a hybrid model's attention blocks so that one attention page holds at least one Mamba
+    state page, and pads the Mamba pages to ``block_size`` x the attention page of one token
+    (``Platform._align_hybrid_block_size``). A kvarn page holds whole tiles, so its page of one
+    token is 0 bytes (vLLM would divide by it); the plugin gives vLLM this figure instead
+    (:class:`HybridProbe`), so blocks become whole tiles (``block_size`` a multiple of the tile) and
+    kvarn pages are padded to ``block_size`` x this (less than one byte per token of padding; none
+    when ``group_size`` divides the page).
+    """
+    model = vllm_config.model_config
+    scheme = _scheme_of(str(vllm_config.cache_config.cache_dtype))
+    heads = model.get_num_kv_heads(vllm_config.parallel_config)
+    page = heads * page_bytes(scheme, model.get_head_size(), model.get_num_layers(vllm_config.parallel_config))
+    return -(-page // scheme.group_size)
+
+
+def hybrid_probe(vllm_config: VllmConfig) -> type[AttentionBackend]:
+    """The backend vLLM's hybrid block-size alignment should ask: kvarn's, with a page of one token of
+    :func:`hybrid_token_bytes` and the tile as its only kernel block size."""
+    token = hybrid_token_bytes(vllm_config)
+    tile = _scheme_of(str(vllm_config.cache_config.cache_dtype)).group_size
+
+    class HybridProbe(KvarnAttentionBackend):
+        @classmethod
+        def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+            return replace(
+                spec,
+                dtype=torch.uint8,
+                num_head_slots=1,
+                tokens_per_state=spec.block_size,
+                state_content_bytes=token * spec.block_size,
+            )
+
+        @staticmethod
+        def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+            return [tile]
+
+    return HybridProbe
 
 
 class KvarnAttentionBackend(AttentionBackend):
@@ -387,7 +431,7 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         _record_active(config)
         page_bytes(self.scheme, head_size, config.model_config.get_num_layers(config.parallel_config))
         block = config.cache_config.block_size
-        if block != self.scheme.group_size:
+        if block % self.scheme.group_size:
             raise ValueError(
                 f"kv_cache_dtype={kv_cache_dtype!r} needs block_size={self.scheme.group_size} "
                 f"(one vLLM block = one tile), got block_size={block}; pass "

