@@ -197,11 +197,39 @@ def check_model(name: str, vllm_config: Any) -> None:
         _check_layers(name, model)
         _check_fp16_layers(name, scheme, model)
     hybrid = model is not None and getattr(model, "is_hybrid", False)
+    if hybrid:
+        _check_hybrid_pages(name, scheme, vllm_config)
     if block != scheme.group_size and not (hybrid and block % scheme.group_size == 0):
         raise ValueError(
             f"kv_cache_dtype={name!r} needs block_size={scheme.group_size} (one vLLM block = one tile), "
             f"got block_size={block}; pass block_size={scheme.group_size} (--block-size {scheme.group_size}) "
             "or leave it unset"
+        )
+
+
+def _check_hybrid_pages(name: str, scheme: Any, vllm_config: Any) -> None:
+    """A hybrid model's blocks hold several tiles, which vLLM splits into one-tile kernel blocks for
+    kvarn; in kvarn's LBHNC layout it can only split unpadded pages. So every quantized layer's tile
+    records (KV heads x ``tile_bytes``) must have one size, a multiple of the tile's tokens (then
+    the Mamba page is padded to kvarn's instead): a mixed-bit preset, an fp16 override, or a record
+    size the tile does not divide is refused here rather than in the engine."""
+    model = vllm_config.model_config
+    heads, head = model.get_num_kv_heads(vllm_config.parallel_config), model.get_head_size()
+    types = layer_types(model.hf_text_config)
+    fp16 = fp16_layers(scheme, len(types))
+    pages = {heads * scheme.for_layer(i).tile_bytes(head) for i in range(len(types)) if i not in fp16}
+    why = ""
+    if fp16:
+        why = f"fp16 layer overrides (layers {_ranges(fp16)})"
+    elif len(pages) > 1:
+        why = f"layers of different widths (pages of {', '.join(f'{p:,}' for p in sorted(pages))} bytes)"
+    elif pages.pop() % scheme.group_size:
+        why = f"a page of {heads} x {scheme.tile_bytes(head):,} bytes, not a multiple of {scheme.group_size} tokens"
+    if why:
+        raise ValueError(
+            f"kv_cache_dtype={name!r} cannot serve the hybrid model {model.model}: {why}. Its attention pages would "
+            "need padding, and vLLM cannot split padded blocks into one-tile kernel blocks. Use a preset with the "
+            "same bits on every layer (e.g. kvarn_k4v2_g128)."
         )
 
 

@@ -33,9 +33,9 @@ def _config(tmp_path: Path, config: Any, dtype: str = "kvarn_k4v2_g128") -> Any:
     return args.create_engine_config()
 
 
-def _refusal(tmp_path: Path, config: Any) -> str:
+def _refusal(tmp_path: Path, config: Any, dtype: str = "kvarn_k4v2_g128") -> str:
     with pytest.raises(ValueError) as err:
-        _config(tmp_path, config)
+        _config(tmp_path, config, dtype)
     return str(err.value)
 
 
@@ -86,6 +86,13 @@ def test_hybrid_accepted(tmp_path: Path) -> None:
     )
     assert _config(tmp_path / "next", config).model_config.is_hybrid
     assert _config(tmp_path / "granite", granite_hybrid_config()).cache_config.block_size == 128
+    # pages that would need padding: refused here (vLLM cannot split padded blocks into tiles)
+    msg = _refusal(tmp_path / "mixed", granite_hybrid_config(), "kvarn_k4v2_g128_L1k2v2")
+    assert "layers of different widths (pages of 10,496, 14,592 bytes)" in msg and "hybrid" in msg
+    msg = _refusal(tmp_path / "fp16", granite_hybrid_config(), "kvarn_k4v2_g128_L3fp16")
+    assert "fp16 layer overrides (layers 3)" in msg
+    msg = _refusal(tmp_path / "odd", granite_hybrid_config(kv_heads=1), "kvarn_k4v2_g128_s8")
+    assert "a page of 1 x 6,720 bytes, not a multiple of 128 tokens" in msg
 
 
 def test_every_layer_sliding_refused(tmp_path: Path) -> None:
