@@ -184,9 +184,10 @@ def hybrid_token_bytes(vllm_config: VllmConfig) -> int:
     state page, and pads the Mamba pages to ``block_size`` x the attention page of one token
     (``Platform._align_hybrid_block_size``). A kvarn page holds whole tiles, so its page of one
     token is 0 bytes (vLLM would divide by it); the plugin gives vLLM this figure instead
-    (:class:`HybridProbe`), so blocks become whole tiles (``block_size`` a multiple of the tile) and
-    kvarn pages are padded to ``block_size`` x this (less than one byte per token of padding; none
-    when ``group_size`` divides the page).
+    (:class:`HybridProbe`), so blocks become whole tiles (``block_size`` a multiple of the tile) of
+    exactly ``block_size`` x this bytes: the plugin refuses pages that the tile does not divide, or
+    that differ between layers (``plugin._check_hybrid_pages``), since vLLM cannot split padded
+    blocks into one-tile kernel blocks.
     """
     model = vllm_config.model_config
     scheme = _scheme_of(str(vllm_config.cache_config.cache_dtype))
