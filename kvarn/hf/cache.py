@@ -24,15 +24,20 @@ full-attention layers (KVarN's behaviour). ``quantize_sliding=True`` quantizes t
 spec: tiles aligned at multiples of the tile length from the sequence start, as a server's blocks,
 and a tile is dropped once all of its tokens have left the window. Bits and bytes are reported per
 layer type and overall (:meth:`KVarNCache.by_layer_type`) at the cache's current length.
+
+Hybrid models (Mamba / linear-attention layers beside attention layers): the recurrent layers get
+transformers' own ``LinearAttentionLayer`` (their conv and recurrent states, in the model's dtype,
+as ``DynamicCache(config=...)`` gives them); only the attention layers are quantized, and bits and
+bytes count the attention layers only (a recurrent state does not grow with the context).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, LinearAttentionLayer
 
-from kvarn.hf.geometry import CacheGeometry, cache_geometry
+from kvarn.hf.geometry import STATE_TYPES, CacheGeometry, cache_geometry
 from kvarn.hf.layers import BaselineCommitter, KVarNLayer, TileCommitter
 from kvarn.hf.spec import BaselineLike, Spec, resolve_spec, spec_name
 from kvarn.schemes import Scheme
@@ -47,7 +52,9 @@ def _commit_unit(spec: Spec) -> int:
 
 def _layer(
     spec: Spec, layer: int, geometry: CacheGeometry, quantize_before_read: bool, quantize_sliding: bool
-) -> KVarNLayer:
+) -> KVarNLayer | LinearAttentionLayer:
+    if geometry.layer_types[layer] in STATE_TYPES:  # a hybrid model's recurrent layer: as transformers keeps it
+        return LinearAttentionLayer()
     window = geometry.windows[layer]
     if window is not None:  # every sliding layer drops alike (one mask serves them all)
         unit = _commit_unit(spec) if quantize_sliding else 1
@@ -121,12 +128,13 @@ class KVarNCache(Cache):
 
     @property
     def kv_layers(self) -> list[KVarNLayer]:
-        return list(self.layers)  # type: ignore[arg-type]
+        """The layers that cache keys and values (a hybrid model's recurrent layers excluded)."""
+        return [layer for layer in self.layers if isinstance(layer, KVarNLayer)]
 
     @property
     def layer_types(self) -> tuple[str, ...]:
-        """Per layer, ``"full_attention"`` or ``"sliding_attention"``."""
-        return self.geometry.layer_types
+        """Per layer of :attr:`kv_layers`, ``"full_attention"`` or ``"sliding_attention"``."""
+        return tuple(self.geometry.layer_types[i] for i in self.geometry.attention_layers)
 
     def nbytes_breakdown(self) -> dict[str, int]:
         """Bytes held: ``quantized`` (packed records, or baselines' honest bytes), ``unquantized``

@@ -18,6 +18,11 @@ Example:
 
 With sliding layers left 16-bit, the saving grows with the context: the full-attention layers'
 share of the held tokens does.
+
+Hybrid models (Mamba / linear attention beside attention: Granite 4, Qwen3-Next, ...): transformers
+gives their recurrent layers the type ``linear_attention`` or ``conv`` (a ``LinearAttentionLayer``
+holding conv and recurrent states, no per-token keys and values). They hold no tokens here
+(:meth:`CacheGeometry.held_tokens` is 0), so bits per element count the attention layers only.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from kvarn.schemes import Scheme
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 LAYER_TYPES: tuple[str, ...] = (FULL, SLIDING)
+# transformers' recurrent-state layer types (``LinearAttentionLayer``): no per-token keys and values
+STATE_TYPES: tuple[str, ...] = ("linear_attention", "conv")
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,8 @@ class CacheGeometry:
     """One model's attention layers as a KV cache sees them.
 
     Attributes:
-        layer_types: per layer, ``"full_attention"`` or ``"sliding_attention"``.
+        layer_types: per layer, ``"full_attention"``, ``"sliding_attention"``, or a recurrent-state
+            type of a hybrid model (:data:`STATE_TYPES`).
         windows: per layer, the sliding window in tokens, or None for full attention.
         num_kv_heads, head_dim: the same for every layer.
     """
@@ -56,8 +64,16 @@ class CacheGeometry:
         """How many layers are of ``layer_type``."""
         return sum(t == layer_type for t in self.layer_types)
 
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Indices of the layers that cache keys and values (all but a hybrid model's state layers)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t not in STATE_TYPES)
+
     def held_tokens(self, layer: int, context: int) -> int:
-        """Tokens layer ``layer`` must hold at ``context`` tokens: all of them, or its window."""
+        """Tokens layer ``layer`` must hold at ``context`` tokens: all of them, or its window (none for
+        a recurrent-state layer)."""
+        if self.layer_types[layer] in STATE_TYPES:
+            return 0
         w = self.windows[layer]
         return context if w is None else min(context, w)
 
@@ -143,11 +159,14 @@ def cache_geometry(config: Any) -> CacheGeometry:
             "different widths, and KVarN's int4 latent layout is not implemented here"
         )
     types, windows = _layer_types_and_windows(text)
-    other = sorted(set(types) - set(LAYER_TYPES))
+    other = sorted(set(types) - set(LAYER_TYPES) - set(STATE_TYPES))
     if other:
         raise ValueError(
-            f"KVarNCache supports the layer types {', '.join(LAYER_TYPES)}; this model also has {', '.join(other)}"
+            f"KVarNCache supports the layer types {', '.join(LAYER_TYPES + STATE_TYPES)} (the last two: a hybrid "
+            f"model's recurrent layers, kept as transformers keeps them); this model also has {', '.join(other)}"
         )
+    if all(t in STATE_TYPES for t in types):
+        raise ValueError(f"this model has no attention layer (layer types {', '.join(sorted(set(types)))})")
     if any(t == SLIDING and (w is None or int(w) < 1) for t, w in zip(types, windows, strict=True)):
         raise ValueError(f"a sliding_attention layer needs a sliding_window of at least 1 token, got {windows}")
     per_layer = list(text.per_layer_config) if getattr(text, "is_heterogeneous", False) else [text] * len(types)

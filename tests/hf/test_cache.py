@@ -224,9 +224,12 @@ def test_errors_name_the_problem() -> None:
         num_key_value_heads=1,
         head_dim=64,
         hidden_size=128,
-        layer_types=["full_attention", "linear_attention"],
+        layer_types=["full_attention", "chunked_attention"],
     )
-    with pytest.raises(ValueError, match="full_attention, sliding_attention; this model also has linear_attention"):
+    with pytest.raises(ValueError, match="linear_attention, conv .*; this model also has chunked_attention"):
+        KVarNCache("kvarn_k4v2_g128", hybrid)
+    hybrid.layer_types = ["linear_attention", "conv"]
+    with pytest.raises(ValueError, match="no attention layer"):
         KVarNCache("kvarn_k4v2_g128", hybrid)
     cache = KVarNCache("kvarn_k4v2_g128", tiny_config())
     with pytest.raises(NotImplementedError, match="beam"):

@@ -147,5 +147,5 @@ def test_errors_name_the_problem() -> None:
         cache_geometry(Gemma4TextConfig(num_hidden_layers=6, num_key_value_heads=8))  # full layers: head_dim 512
     with pytest.raises(ValueError, match="latent attention"):
         cache_geometry(DeepseekV3Config(num_hidden_layers=2))
-    with pytest.raises(ValueError, match="also has linear_attention"):
-        cache_geometry(Qwen3NextConfig(num_hidden_layers=4))
+    hybrid = cache_geometry(Qwen3NextConfig(num_hidden_layers=4))  # hybrid: recurrent layers hold no tokens
+    assert hybrid.attention_layers == (3,) and hybrid.held_tokens(0, 1000) == 0 and hybrid.held_tokens(3, 1000) == 1000

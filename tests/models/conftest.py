@@ -45,6 +45,12 @@ def gemma_folder(gemma: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hybrid() -> Any:
+    """GraniteMoeHybrid-like: Mamba2, attention, Mamba2, attention; 2 KV heads at head_dim 64."""
+    return build(granite_hybrid_config())
+
+
+@pytest.fixture(scope="session")
 def hybrid_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """GraniteMoeHybrid-like (Mamba2, attention, Mamba2, attention; 2 KV heads at head_dim 64), bf16,
     with the byte tokenizer, as a Hugging Face folder."""

@@ -1,7 +1,8 @@
 """KVarNCache inside small random models: every layer against the reference codec, masks, generate.
 
 The Gemma-like model has five sliding-window layers (window 48) per full-attention layer at
-head_dim 256 with one KV head; the Llama-like one is full attention only (GQA).
+head_dim 256 with one KV head; the Llama-like one is full attention only (GQA); the hybrid one has
+Mamba2 layers between its attention layers.
 """
 
 from __future__ import annotations
@@ -121,6 +122,28 @@ def test_fp16_cache_is_transformers_dynamic_cache(gemma: Any, llama: Any) -> Non
         ids = ids_for(model)
         ours = run(model, KVarNCache("fp16", model.config), ids, SIZES)
         assert torch.equal(ours, run(model, DynamicCache(config=model.config), ids, SIZES))
+
+
+def test_hybrid_model_quantizes_its_attention_layers_only(hybrid: Any) -> None:
+    """GraniteMoeHybrid-like (Mamba2, attention, Mamba2, attention): the Mamba layers keep
+    transformers' own ``LinearAttentionLayer`` (fp16 is bit-equal to ``DynamicCache(config=...)``),
+    the two attention layers hold packed tiles, and bits count the attention layers only."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    ids = ids_for(hybrid)
+    reference = run(hybrid, DynamicCache(config=hybrid.config), ids, SIZES)
+    assert torch.equal(run(hybrid, KVarNCache("fp16", hybrid.config), ids, SIZES), reference)
+    cache = KVarNCache(SCHEME, hybrid.config)
+    logits = run(hybrid, cache, ids, SIZES)
+    assert [type(layer) is LinearAttentionLayer for layer in cache.layers] == [True, False, True, False]
+    assert cache.layer_types == ("full_attention", "full_attention") and len(cache.kv_layers) == 2
+    tiles, tail = divmod(sum(SIZES), G)
+    d = 64
+    expected = (8 * tiles * Scheme.from_name(SCHEME).tile_bytes(d) + 16 * 2 * d * tail) / (2 * d * sum(SIZES))
+    assert cache.bits_per_element() == pytest.approx(expected)
+    assert set(cache.by_layer_type()) == {"full_attention", "all"}
+    assert cache.kv_layers[0].committer.records.shape[2] == tiles  # type: ignore[union-attr]
+    assert torch.isfinite(logits).all() and not torch.equal(logits, reference)  # quantized tiles were read
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""``kvarn eval`` and ``kvarn-tune`` end to end on the random Gemma-like model saved to a folder.
+"""``kvarn eval`` and ``kvarn-tune`` end to end on the random Gemma-like (and hybrid) model saved to a folder.
 
 Random weights: the accuracy figures mean little here (the model's next-token distributions are
 nearly uniform); what is checked is that sliding-window models go through and that the bits
@@ -51,6 +51,24 @@ def test_kvarn_eval_runs_on_a_sliding_window_model(gemma_folder: Path, tmp_path:
         assert r["bits_per_element"] < 16.0 and isinstance(r["greedy_agreement_tokens"], int)
 
 
+def test_kvarn_eval_runs_on_a_hybrid_model(hybrid_folder: Path, tmp_path: Path) -> None:
+    """GraniteMoeHybrid-like (Mamba2 + attention, head_dim 64): only the attention layers are
+    quantized; bits are those of the attention layers (2 packed tiles, a 64-token tail and the exact
+    first token, per layer and KV head)."""
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--model", str(hybrid_folder), "--schemes", "fp16,kvarn_k4v2_g128,kivi2,turboquant3"]
+    argv += ["--tokens", str(TOKENS), "--chunk", str(CHUNK), "--greedy-tokens", "8", "--no-progress"]
+    assert main([*argv, "--json", str(out)]) == 0
+    rows = {r["scheme"]: r for r in json.loads(out.read_text())}
+    assert rows["fp16"]["bits_per_element"] == 16.0 and rows["fp16"]["kl"] == 0.0
+    s, d = Scheme.from_name("kvarn_k4v2_g128"), 64
+    tiles, tail = divmod(TOKENS, s.group_size)
+    bits = (8 * tiles * s.tile_bytes(d) + 16 * 2 * d * (tail + s.sink_tokens)) / (2 * d * TOKENS)
+    assert rows["kvarn_k4v2_g128"]["bits_per_element"] == pytest.approx(bits)
+    for name in ("kvarn_k4v2_g128", "kivi2", "turboquant3"):
+        assert rows[name]["tokens"] == TOKENS and 0 < rows[name]["kl"] < 1.0, rows[name]
+
+
 def test_evaluator_quantize_sliding_counts_the_windowed_tiles(gemma_folder: Path) -> None:
     ev = Evaluator(str(gemma_folder), tokens=TOKENS, chunk=CHUNK, greedy_tokens=0, quantize_sliding=True)
     r = ev.evaluate("kvarn_k4v2_g32", greedy=False, progress=False)
@@ -73,3 +91,19 @@ def test_kvarn_tune_counts_sliding_layers_at_16_bits(gemma_folder: Path, tmp_pat
         scheme = Scheme.from_name(t["scheme"])
         assert t["bits"] == pytest.approx(geometry.bits_per_element(scheme, 256))
         assert t["bits"] > scheme.bits_per_element(D, 6, 256)  # the sliding layers' 16 bits are counted
+
+
+def test_kvarn_tune_on_a_hybrid_model_counts_attention_layers_only(hybrid_folder: Path, tmp_path: Path) -> None:
+    config = TuneConfig(
+        budget=parse_budget("50%"), model=str(hybrid_folder), tokens=256, trials=2, sensitivity_tokens=0,
+        per_layer=False, group_sizes=(32, 64), confirm=1, prune_tokens=0, cache_dir=tmp_path, chunk=CHUNK,
+        progress=False,
+    )  # fmt: skip
+    res = tune(config)
+    geometry = cache_geometry(AutoConfig.from_pretrained(hybrid_folder))
+    measured = [t for t in res.trials if t.get("bits") is not None]
+    assert measured and geometry.attention_layers == (1, 3)
+    for t in measured:
+        scheme = Scheme.from_name(t["scheme"])
+        assert t["bits"] == pytest.approx(geometry.bits_per_element(scheme, 256))
+        assert t["bits"] == pytest.approx(scheme.bits_per_element(64, 2, 256))  # the two attention layers
