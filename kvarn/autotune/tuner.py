@@ -306,7 +306,17 @@ def _sensitivity(
     key = sensitivity_key(config.model, calib_sha, config.sensitivity_tokens, probe.name, num_layers)
     cache = (config.cache_dir or default_cache_dir() / "sensitivity") / f"{key}.json"
 
+    model_config = getattr(getattr(evaluator, "model", None), "config", None)
+    if model_config is not None:
+        from kvarn.hf import cache_geometry
+
+        attention = set(cache_geometry(model_config).attention_layers)
+    else:
+        attention = set(range(num_layers))
+
     def measure(s: Scheme) -> float:
+        if not any(s.for_layer(i) is not None for i in attention):
+            return 0.0  # a hybrid model's recurrent layer: nothing to quantize there, no pass needed
         r = evaluator.evaluate(s, greedy=False, max_tokens=config.sensitivity_tokens, progress=False)
         return float(r.kl)
 

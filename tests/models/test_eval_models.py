@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import AutoConfig
@@ -107,3 +108,25 @@ def test_kvarn_tune_on_a_hybrid_model_counts_attention_layers_only(hybrid_folder
         scheme = Scheme.from_name(t["scheme"])
         assert t["bits"] == pytest.approx(geometry.bits_per_element(scheme, 256))
         assert t["bits"] == pytest.approx(scheme.bits_per_element(64, 2, 256))  # the two attention layers
+
+
+def test_kvarn_tune_sensitivity_skips_recurrent_layers(hybrid_folder: Path, tmp_path: Path) -> None:
+    """The per-layer sensitivity pass evaluates the attention layers only: a Mamba layer has nothing
+    to quantize (0.0, no evaluation)."""
+    calls: list[Scheme] = []
+    original = Evaluator.evaluate
+
+    def counting(self: Evaluator, spec: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(spec)
+        return original(self, spec, *args, **kwargs)
+
+    config = TuneConfig(
+        budget=parse_budget("50%"), model=str(hybrid_folder), tokens=256, trials=1, sensitivity_tokens=128,
+        group_sizes=(64,), confirm=1, prune_tokens=0, cache_dir=tmp_path, chunk=CHUNK, progress=False,
+    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Evaluator, "evaluate", counting)
+        res = tune(config)
+    probes = [s for s in calls if isinstance(s, Scheme) and s.overrides]
+    assert sorted(i for s in probes for i in range(4) if s.for_layer(i) is not None) == [1, 3]
+    assert res.sensitivity[0] == res.sensitivity[2] == 0.0 and res.sensitivity[1] > 0 and res.sensitivity[3] > 0
