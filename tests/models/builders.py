@@ -87,21 +87,24 @@ def llama_config(hidden: int = 128, layers: int = 2, head_dim: int = 64) -> Llam
     )
 
 
-def granite_hybrid_config(hidden: int = 256, kv_heads: int = 2, d_state: int = 64) -> GraniteMoeHybridConfig:
-    """GraniteMoeHybrid-like: layers Mamba2, attention, Mamba2, attention; 4 query heads over
-    ``kv_heads`` KV heads at head_dim 64; Mamba2 with ``hidden // 32`` heads of 64 (expand 2) and
-    ``d_state``; dense MLP. With 2 KV heads and ``d_state`` 64 a Mamba state page (69,376 bytes in
-    bf16) outgrows a 128-token kvarn page, so vLLM gives attention blocks of several tiles."""
+def granite_hybrid_config(
+    hidden: int = 256, heads: int = 4, kv_heads: int = 2, d_state: int = 64, intermediate: int | None = None
+) -> GraniteMoeHybridConfig:
+    """GraniteMoeHybrid-like: layers Mamba2, attention, Mamba2, attention; ``heads`` query heads over
+    ``kv_heads`` KV heads (head_dim ``hidden // heads``); Mamba2 with ``hidden // 32`` heads of 64
+    (expand 2) and ``d_state``; dense MLPs of ``intermediate`` (default ``hidden``). With the
+    defaults (head_dim 64, 2 KV heads, ``d_state`` 64) a Mamba state page (69,376 bytes in bf16)
+    outgrows a 128-token kvarn page, so vLLM gives attention blocks of several tiles."""
     return GraniteMoeHybridConfig(
         vocab_size=VOCAB,
         hidden_size=hidden,
-        intermediate_size=hidden,
+        intermediate_size=intermediate or hidden,
         num_hidden_layers=4,
-        num_attention_heads=4,
+        num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         num_local_experts=0,  # dense MLP
-        shared_intermediate_size=hidden,
+        shared_intermediate_size=intermediate or hidden,
         layer_types=["mamba", "attention", "mamba", "attention"],
         mamba_n_heads=hidden // 32,
         mamba_n_groups=1,

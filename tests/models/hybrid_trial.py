@@ -18,39 +18,13 @@ from pathlib import Path
 
 def build(folder: Path, test_model: bool = False) -> Path:
     import torch
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
-    from tests.models.builders import VOCAB, build, byte_tokenizer, granite_hybrid_config, save
+    from tests.models.builders import build, granite_hybrid_config, save
 
     if test_model:
         return save(build(granite_hybrid_config()).to(torch.bfloat16), folder)
-    torch.manual_seed(0)
-    config = GraniteMoeHybridConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=4096,
-        num_local_experts=0,  # dense MLP
-        shared_intermediate_size=256,
-        layer_types=["mamba", "attention", "mamba", "attention"],
-        mamba_n_heads=4,
-        mamba_n_groups=1,
-        mamba_d_state=16,
-        mamba_d_head=64,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_chunk_size=256,
-        position_embedding_type="rope",
-        pad_token_id=VOCAB - 1,
-        eos_token_id=VOCAB - 1,
-        bos_token_id=VOCAB - 1,
-    )
-    GraniteMoeHybridForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    byte_tokenizer().save_pretrained(folder)
-    return folder
+    small = granite_hybrid_config(hidden=128, heads=2, kv_heads=1, d_state=16, intermediate=256)
+    return save(build(small).to(torch.bfloat16), folder)
 
 
 def serve(folder: Path, prefix_caching: bool, kv_cache_dtype: str = "auto") -> tuple[int, int, list[int]]:
