@@ -409,6 +409,34 @@ def check_layer_specs(tmp: Path) -> Any:
     return params, fields, mixed, pages, blocks
 
 
+def _granite_stand_in() -> Any:
+    """GraniteMoeHybrid's two Mamba-state methods vLLM's alignment asks, from vLLM's own calculators."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+
+    class GraniteMoeHybridForCausalLM:
+        @classmethod
+        def get_mamba_state_shape_from_config(cls, vllm_config: Any) -> Any:
+            hf = vllm_config.model_config.hf_config
+            return MambaStateShapeCalculator.mamba2_state_shape(
+                intermediate_size=hf.mamba_expand * hf.hidden_size,
+                tp_world_size=1,
+                n_groups=hf.mamba_n_groups,
+                num_heads=hf.mamba_n_heads,
+                head_dim=hf.mamba_d_head,
+                state_size=hf.mamba_d_state,
+                conv_kernel=hf.mamba_d_conv,
+            )
+
+        @classmethod
+        def get_mamba_state_dtype_from_config(cls, vllm_config: Any) -> Any:
+            c = vllm_config
+            return MambaStateDtypeCalculator.mamba2_state_dtype(
+                c.model_config.dtype, c.cache_config.mamba_cache_dtype, c.cache_config.mamba_ssm_cache_dtype
+            )
+
+    return GraniteMoeHybridForCausalLM
+
+
 def check_hybrid_alignment(tmp: Path) -> Any:
     """Hybrid models (issue 13): vLLM's ``Platform._align_hybrid_block_size``, asked through kvarn's
     patch, makes attention blocks whole tiles holding a Mamba state page, and pads the Mamba page to
@@ -416,6 +444,7 @@ def check_hybrid_alignment(tmp: Path) -> Any:
     import vllm.engine.arg_utils
     import vllm.platforms
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.models import ModelRegistry
     from vllm.platforms.cpu import CpuPlatform
 
     from kvarn.vllm import plugin
@@ -430,48 +459,36 @@ def check_hybrid_alignment(tmp: Path) -> Any:
     hf = granite_hybrid_config()
     hf.architectures = ["GraniteMoeHybridForCausalLM"]  # what a saved model writes
     hf.save_pretrained(tmp / "granite")
-    args = EngineArgs(
-        model=str(tmp / "granite"), kv_cache_dtype="kvarn_k4v2_g128", skip_tokenizer_init=True, dtype="bfloat16"
-    )
-    config = args.create_engine_config()
-    before = config.cache_config.block_size
+    arch = "GraniteMoeHybridForCausalLM"
+    registered = ModelRegistry.models.get(arch)
     try:
         from vllm.model_executor.models.granitemoehybrid import GraniteMoeHybridForCausalLM as model_cls
-    except (ImportError, AttributeError):  # 0.33.0's model modules need its compiled ops: its calculator stands in
-        from vllm.model_executor.layers.mamba.mamba_utils import (
-            MambaStateDtypeCalculator,
-            MambaStateShapeCalculator,
-        )
+    except (ImportError, AttributeError):  # 0.33.0's model modules need its compiled ops: stand-ins
+        model_cls = _granite_stand_in()
+        # vLLM inspects a model class in a subprocess that imports its module (it fails here) unless
+        # its model-info cache holds it: register the stand-in with the interfaces GraniteMoeHybrid has
+        from dataclasses import fields
 
-        class model_cls:  # type: ignore[no-redef]  # the two methods vLLM asks, as GraniteMoeHybrid's
-            @classmethod
-            def get_mamba_state_shape_from_config(cls, vllm_config: Any) -> Any:
-                hf = vllm_config.model_config.hf_config
-                return MambaStateShapeCalculator.mamba2_state_shape(
-                    intermediate_size=hf.mamba_expand * hf.hidden_size,
-                    tp_world_size=1,
-                    n_groups=hf.mamba_n_groups,
-                    num_heads=hf.mamba_n_heads,
-                    head_dim=hf.mamba_d_head,
-                    state_size=hf.mamba_d_state,
-                    conv_kernel=hf.mamba_d_conv,
-                )
+        from vllm.model_executor.models.registry import _ModelInfo, _RegisteredModel
 
-            @classmethod
-            def get_mamba_state_dtype_from_config(cls, vllm_config: Any) -> Any:
-                c = vllm_config
-                return MambaStateDtypeCalculator.mamba2_state_dtype(
-                    c.model_config.dtype, c.cache_config.mamba_cache_dtype, c.cache_config.mamba_ssm_cache_dtype
-                )
-
-    from vllm.model_executor.models import ModelRegistry
-
+        known = dict(architecture=arch, is_text_generation_model=True, is_hybrid=True, has_inner_state=True)
+        known |= dict(attn_type="decoder", default_seq_pooling_type="LAST", default_tok_pooling_type="ALL")
+        known |= dict(score_type="bi-encoder", supported_video_pruning_methods=())
+        info = _ModelInfo(**{f.name: known.get(f.name, False) for f in fields(_ModelInfo)})
+        ModelRegistry.models[arch] = _RegisteredModel(interfaces=info, model_cls=model_cls)
     resolve = ModelRegistry.resolve_model_cls
-    ModelRegistry.resolve_model_cls = lambda *a, **kw: (model_cls, "GraniteMoeHybridForCausalLM")  # type: ignore[method-assign]
+    ModelRegistry.resolve_model_cls = lambda *a, **kw: (model_cls, arch)  # type: ignore[method-assign]
     try:
+        args = EngineArgs(
+            model=str(tmp / "granite"), kv_cache_dtype="kvarn_k4v2_g128", skip_tokenizer_init=True, dtype="bfloat16"
+        )
+        config = args.create_engine_config()
+        before = config.cache_config.block_size
         CpuPlatform._align_hybrid_block_size(config, KvarnAttentionBackend)
     finally:
         ModelRegistry.resolve_model_cls = resolve  # type: ignore[method-assign]
+        if registered is not None:
+            ModelRegistry.models[arch] = registered
     cache = config.cache_config
     return before, cache.block_size, cache.mamba_page_size_padded, hybrid_token_bytes(config)
 
