@@ -27,8 +27,12 @@ def build(folder: Path, test_model: bool = False) -> Path:
     return save(build(small).to(torch.bfloat16), folder)
 
 
-def serve(folder: Path, prefix_caching: bool, kv_cache_dtype: str = "auto") -> tuple[int, int, list[int]]:
-    """vLLM's KV capacity (tokens at 1024 per request), its block size and 32 greedy tokens, 1 GiB."""
+def serve(
+    folder: Path, prefix_caching: bool, kv_cache_dtype: str = "auto", chunk: int = 256
+) -> tuple[int, int, list[int]]:
+    """vLLM's KV capacity (tokens at 1024 per request), its block size and 32 greedy tokens after 400
+    bytes of GPL-3, 1 GiB; the block size is left to vLLM (hybrid alignment, MLA's own). ``chunk``:
+    ``max_num_batched_tokens``. Used by ``mla_trial`` too."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -39,9 +43,9 @@ def serve(folder: Path, prefix_caching: bool, kv_cache_dtype: str = "auto") -> t
     with cpu_engine(
         str(folder),
         kv_cache_dtype,
-        block_size=None,  # type: ignore[arg-type]  # vLLM aligns it with the Mamba state page
+        block_size=None,  # type: ignore[arg-type]  # vLLM aligns it (Mamba state pages; MLA's own)
         max_num_seqs=4,
-        max_num_batched_tokens=256,
+        max_num_batched_tokens=chunk,
         dtype="bfloat16",
         enable_prefix_caching=prefix_caching,
     ) as llm:

@@ -12,8 +12,9 @@ after 400 bytes of GPL-3, or vLLM's error (kvarn dtypes are refused at start-up 
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
+
+from tests.models.hybrid_trial import serve
 
 
 def build(folder: Path) -> Path:
@@ -49,33 +50,12 @@ def build(folder: Path) -> Path:
     return folder
 
 
-def serve(folder: Path, kv_cache_dtype: str = "auto") -> tuple[int, int, list[int]]:
-    """vLLM's KV capacity (tokens at 1024 per request), its block size and 32 greedy tokens, 1 GiB."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from kvarn.vllm.engine import cpu_engine, kv_tokens
-
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    ids = list((Path(__file__).parents[2] / "kvarn" / "data" / "gpl-3.txt").read_bytes()[:400])
-    with cpu_engine(
-        str(folder),
-        kv_cache_dtype,
-        block_size=None,  # type: ignore[arg-type]  # vLLM sets MLA's own
-        max_num_seqs=4,
-        max_num_batched_tokens=1024,
-        dtype="bfloat16",
-    ) as llm:
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=32, temperature=0))
-        block = int(llm.llm_engine.vllm_config.cache_config.block_size)
-        return kv_tokens(llm), block, list(out[0].outputs[0].token_ids)
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (vLLM's default cache) or a kvarn preset")
     args = parser.parse_args()
     folder = args.folder if (args.folder / "config.json").is_file() else build(args.folder)
-    size, block, tokens = serve(folder, args.kv_cache_dtype)
+    # vllm-cpu turns prefix caching and chunked prefill off for MLA itself
+    size, block, tokens = serve(folder, False, args.kv_cache_dtype, chunk=1024)
     print(f"KV cache size: {size:,} tokens; block size {block}; greedy tokens: {tokens}")
