@@ -78,16 +78,22 @@ def test_evaluator_quantize_sliding_counts_the_windowed_tiles(gemma_folder: Path
     assert r.bits_per_element < r_exact.bits_per_element and r.kl > r_exact.kl > 0
 
 
-def test_kvarn_tune_counts_sliding_layers_at_16_bits(gemma_folder: Path, tmp_path: Path) -> None:
+def _tune_small(folder: Path, tmp_path: Path) -> tuple[Any, list[dict[str, Any]]]:
+    """A 2-trial ``kvarn-tune`` run on ``folder`` (256 tokens, no per-layer search): the model's cache
+    geometry and the trials that were measured (at least one)."""
     config = TuneConfig(
-        budget=parse_budget("50%"), model=str(gemma_folder), tokens=256, trials=2, sensitivity_tokens=0,
+        budget=parse_budget("50%"), model=str(folder), tokens=256, trials=2, sensitivity_tokens=0,
         per_layer=False, group_sizes=(32, 64), confirm=1, prune_tokens=0, cache_dir=tmp_path, chunk=CHUNK,
         progress=False,
     )  # fmt: skip
     res = tune(config)
-    geometry = cache_geometry(AutoConfig.from_pretrained(gemma_folder))
     measured = [t for t in res.trials if t.get("bits") is not None]
     assert measured
+    return cache_geometry(AutoConfig.from_pretrained(folder)), measured
+
+
+def test_kvarn_tune_counts_sliding_layers_at_16_bits(gemma_folder: Path, tmp_path: Path) -> None:
+    geometry, measured = _tune_small(gemma_folder, tmp_path)
     for t in measured:
         scheme = Scheme.from_name(t["scheme"])
         assert t["bits"] == pytest.approx(geometry.bits_per_element(scheme, 256))
@@ -95,15 +101,8 @@ def test_kvarn_tune_counts_sliding_layers_at_16_bits(gemma_folder: Path, tmp_pat
 
 
 def test_kvarn_tune_on_a_hybrid_model_counts_attention_layers_only(hybrid_folder: Path, tmp_path: Path) -> None:
-    config = TuneConfig(
-        budget=parse_budget("50%"), model=str(hybrid_folder), tokens=256, trials=2, sensitivity_tokens=0,
-        per_layer=False, group_sizes=(32, 64), confirm=1, prune_tokens=0, cache_dir=tmp_path, chunk=CHUNK,
-        progress=False,
-    )  # fmt: skip
-    res = tune(config)
-    geometry = cache_geometry(AutoConfig.from_pretrained(hybrid_folder))
-    measured = [t for t in res.trials if t.get("bits") is not None]
-    assert measured and geometry.attention_layers == (1, 3)
+    geometry, measured = _tune_small(hybrid_folder, tmp_path)
+    assert geometry.attention_layers == (1, 3)
     for t in measured:
         scheme = Scheme.from_name(t["scheme"])
         assert t["bits"] == pytest.approx(geometry.bits_per_element(scheme, 256))
