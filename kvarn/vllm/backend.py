@@ -132,8 +132,6 @@ def install_layer_specs() -> None:
         spec = original(self, vllm_config)
         if isinstance(impl, KvarnAttentionImpl) and isinstance(spec, AttentionSpec):
             spec = impl.layer_spec(spec, self.layer_name)
-            if shared is None and vllm_config.model_config is not None and vllm_config.model_config.is_hybrid:
-                shared = spec.block_size * hybrid_token_bytes(vllm_config)  # the Mamba pages' size
             if shared is not None and shared > spec.page_size_bytes:
                 spec = replace(spec, page_size_padded=shared)
         return spec
