@@ -47,7 +47,7 @@ from kvarn.vllm.forward import run_layer
 from kvarn.vllm.plugin import is_kvarn_dtype, staging_slots
 from kvarn.vllm.pools import POOLS, pool_bytes, reserve, sink_capacity
 from kvarn.vllm.sinks import SinkPool
-from kvarn.vllm.staging import StagingPool
+from kvarn.vllm.staging import RequestPlan, StagingPool
 from kvarn.vllm.step import StepTensors, build_step
 
 logger = logging.getLogger("kvarn.vllm")
@@ -309,11 +309,19 @@ class _Planner:
         )
 
     def _plan(self, m: CommonAttentionMetadata) -> StepTensors:
+        plans, decode = self.plan_requests(m)
+        table = m.block_table_tensor[: m.num_reqs]
+        has_sink = self.sinks is not None
+        return build_step(
+            plans, table, self.scheme.group_size, sink_tile=self.scheme.sink_tile, has_sink=has_sink, decode=decode
+        )
+
+    def plan_requests(self, m: CommonAttentionMetadata) -> tuple[list[RequestPlan], bool]:
+        """The staging (and sink) plans of one step's requests, and whether it is a decode step."""
         n, t = m.num_reqs, self.scheme.group_size
         qsl = m.query_start_loc_cpu[: n + 1].tolist()
         seq_lens = m.seq_lens[:n].cpu().tolist()
-        table = m.block_table_tensor[:n]
-        host = table.cpu()
+        host = m.block_table_tensor[:n].cpu()
         rows = [host[i, : (s + t - 1) // t].tolist() for i, s in enumerate(seq_lens)]
         decode = all(b - a == 1 for a, b in zip(qsl, qsl[1:], strict=False))
         plans = self.pool.plan(qsl, seq_lens, rows, reuse_now=not decode)
@@ -327,12 +335,45 @@ class _Planner:
                     "quantized. Logged once.",
                     self.scheme.name,
                 )
-        has_sink = self.sinks is not None
-        return build_step(plans, table, t, sink_tile=self.scheme.sink_tile, has_sink=has_sink, decode=decode)
+        return plans, decode
 
 
 # one planner per engine configuration in this process (vllm_config id -> (config, planner))
 _PLANNERS: dict[int, tuple[VllmConfig, _Planner]] = {}
+
+
+def shared_planner(
+    vllm_config: VllmConfig, scheme: Scheme, layer_names: list[str], factory: type[_Planner] = _Planner
+) -> _Planner:
+    """The planner the kvarn layers of one engine share (made by the first metadata builder; a new
+    one when builders are made anew for a new KV cache), logging the pools' size when made."""
+    shared = _PLANNERS.get(id(vllm_config))
+    names = set(layer_names)
+    if (
+        shared is not None
+        and shared[0] is vllm_config
+        and type(shared[1]) is factory
+        and shared[1].scheme == scheme
+        and not names & shared[1].layers  # else builders are being made anew (a new KV cache)
+    ):
+        shared[1].layers |= names
+        return shared[1]
+    slots = staging_slots(vllm_config.scheduler_config.max_num_seqs)[1]
+    planner = factory(scheme, slots)
+    planner.layers |= names
+    _PLANNERS[id(vllm_config)] = (vllm_config, planner)
+    cap = sink_capacity(scheme)
+    what = "the first tile (16-bit)" if scheme.sink_tile else f"the first {cap} tokens"
+    logger.warning(
+        "kvarn %s: staging of partial tiles%s: %d slots (max_num_seqs) = %.1f MiB over %d layers, "
+        "allocated before the KV cache and counted against its memory",
+        scheme.name,
+        f" and exact copies of {what}" if cap else "",
+        slots,
+        POOLS["bytes"] / 2**20,
+        POOLS["layers"],
+    )
+    return planner
 
 
 class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
@@ -347,32 +388,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
                 f"kv_cache_dtype={self.scheme.name} needs block_size={t} (one vLLM block = one tile), "
                 f"got {kv_cache_spec.block_size}; pass block_size={t} (--block-size {t})"
             )
-        shared = _PLANNERS.get(id(vllm_config))
-        names = set(layer_names)
-        if (
-            shared is not None
-            and shared[0] is vllm_config
-            and shared[1].scheme == self.scheme
-            and not names & shared[1].layers  # else builders are being made anew (a new KV cache)
-        ):
-            self.planner = shared[1]
-            self.planner.layers |= names
-            return
-        slots = staging_slots(vllm_config.scheduler_config.max_num_seqs)[1]
-        self.planner = _Planner(self.scheme, slots)
-        self.planner.layers |= names
-        _PLANNERS[id(vllm_config)] = (vllm_config, self.planner)
-        cap = sink_capacity(self.scheme)
-        what = "the first tile (16-bit)" if self.scheme.sink_tile else f"the first {cap} tokens"
-        logger.warning(
-            "kvarn %s: staging of partial tiles%s: %d slots (max_num_seqs) = %.1f MiB over %d layers, "
-            "allocated before the KV cache and counted against its memory",
-            self.scheme.name,
-            f" and exact copies of {what}" if cap else "",
-            slots,
-            POOLS["bytes"] / 2**20,
-            POOLS["layers"],
-        )
+        self.planner = shared_planner(vllm_config, self.scheme, layer_names)
 
     @property
     def pool(self) -> StagingPool:
@@ -390,6 +406,8 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
 
 class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
     """Per-layer attention over packed tiles plus staged and new tokens; owns the layer's pools."""
+
+    kvarn_pools = True  # its staging and sink pools key on blocks (kvarn.vllm.live publishes the live ones)
 
     def __init__(
         self,

@@ -48,10 +48,8 @@ def kvarn_groups(runner: Any) -> list[tuple[int, int, int, int]]:
     if config is None:
         size = int(runner.cache_config.block_size)
         return [(0, size, size, 1)]
-    from kvarn.vllm.backend import KvarnAttentionImpl
-
     layers = runner.compilation_config.static_forward_context
-    kvarn = {n for n, a in layers.items() if isinstance(getattr(a, "impl", None), KvarnAttentionImpl)}
+    kvarn = {n for n, a in layers.items() if getattr(getattr(a, "impl", None), "kvarn_pools", False)}
     groups = []
     for i, g in enumerate(config.kv_cache_groups):
         if not set(g.layer_names) & kvarn:

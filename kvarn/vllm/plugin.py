@@ -40,6 +40,8 @@ logger = logging.getLogger("kvarn.vllm")
 PREFIX = "kvarn_"
 BACKEND_PATH = "kvarn.vllm.backend.KvarnAttentionBackend"
 BACKEND_NAME = "KVARN"
+MLA_BACKEND_PATH = "kvarn.vllm.mla.KvarnMLABackend"
+MLA_BACKEND_NAME = "KVARN_MLA"
 STAGING_SLOTS_ENV = "KVARN_STAGING_SLOTS"
 # Names resolved in the front end that no preset file lists (canonical names such as
 # kvarn_k4v2_g128_sink1): exported here so that the engine and worker processes, which vLLM spawns
@@ -155,13 +157,17 @@ def _patch_platform(cls: Any = None) -> None:
         if not is_kvarn_dtype(attn_selector_config.kv_cache_dtype):
             return str(original(selected_backend, attn_selector_config, *a, **kw))
         name = attn_selector_config.kv_cache_dtype
-        if attn_selector_config.use_mla:
-            raise ValueError(
-                f"kv_cache_dtype={name!r}: MLA attention is not supported by kvarn (tiles are per KV "
-                "head of standard attention); use another kv_cache_dtype for this model"
-            )
         if attn_selector_config.use_sparse:
             raise ValueError(f"kv_cache_dtype={name!r}: sparse attention is not supported by kvarn")
+        if attn_selector_config.use_mla:
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_cpu():
+                raise ValueError(
+                    f"kv_cache_dtype={name!r}: kvarn serves MLA (latent attention) on vLLM's CPU backend only; "
+                    "its GPU kernels for the latent layout are not written. Use another kv_cache_dtype here."
+                )
+            return MLA_BACKEND_PATH
         return BACKEND_PATH
 
     cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
@@ -176,15 +182,44 @@ def _patch_platform(cls: Any = None) -> None:
             return align(vllm_config, backend_cls, *a, **kw)
 
         cls._align_hybrid_block_size = classmethod(_align_hybrid_block_size)
+    update = cls.check_and_update_config
+
+    def check_and_update_config(_cls: type, vllm_config: Any) -> None:
+        update(vllm_config)
+        mla_settings(vllm_config)
+
+    cls.check_and_update_config = classmethod(check_and_update_config)
     _PATCHED.add(key)
+
+
+def mla_settings(vllm_config: Any) -> None:
+    """An MLA model on a kvarn dtype: blocks of one tile, no chunked prefill, no prefix caching.
+
+    vLLM's CPU platform forces 16-token blocks for its own MLA kernel (kvarn's MLA backend is not
+    that kernel) and turns chunked prefill and prefix caching off unless AMX serves MLA; kvarn's
+    MLA path needs them off always (its prefill attends the step's own tokens only).
+    """
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    if model is None or not getattr(model, "use_mla", False) or not is_kvarn_dtype(cache.cache_dtype):
+        return
+    try:
+        tile = get_preset(cache.cache_dtype).scheme.group_size
+    except (UnknownSchemeError, PresetError):
+        return  # resolve_dtype reports it
+    cache.block_size = tile
+    cache.enable_prefix_caching = False
+    sched = vllm_config.scheduler_config
+    sched.enable_chunked_prefill = False
+    sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, model.max_model_len)
 
 
 def _register_backend() -> None:
     """Add ``KVARN`` to vLLM's attention backend enum (vLLM looks backends up by name)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    if BACKEND_NAME not in AttentionBackendEnum.__members__ and not hasattr(AttentionBackendEnum, BACKEND_NAME):
-        register_backend(BACKEND_NAME, BACKEND_PATH)
+    for name, path in ((BACKEND_NAME, BACKEND_PATH), (MLA_BACKEND_NAME, MLA_BACKEND_PATH)):
+        if name not in AttentionBackendEnum.__members__ and not hasattr(AttentionBackendEnum, name):
+            register_backend(name, path)
 
 
 def check_model(name: str, vllm_config: Any) -> None:
@@ -281,10 +316,7 @@ def _check_layers(name: str, model: Any) -> None:
     types = layer_types(hf)
     kinds = ", ".join(sorted(set(types)))
     if model.use_mla:
-        bad.append(
-            f"MLA (latent attention, kv_lora_rank={getattr(hf, 'kv_lora_rank', '?')}): kvarn's tiles are per KV "
-            "head of standard attention; the int4-latent layout is not implemented"
-        )
+        bad += _mla_problems(name, model)
     elif getattr(model, "is_hybrid", False):
         if SLIDING in types or "chunked_attention" in types:
             bad.append(f"layer types {kinds}: sliding-window or chunked attention in a hybrid model (not implemented)")
@@ -312,6 +344,27 @@ def _check_layers(name: str, model: Any) -> None:
             f"kv_cache_dtype={name!r} cannot serve {model.model}: unsupported {'; '.join(bad)}. "
             "Serve this model with another kv_cache_dtype."
         )
+
+
+def _mla_problems(name: str, model: Any) -> list[str]:
+    """What kvarn's MLA path (:mod:`kvarn.vllm.mla`) cannot serve in an MLA model."""
+    from vllm.platforms import current_platform
+
+    hf = model.hf_text_config
+    latent, rope = int(getattr(hf, "kv_lora_rank", 0) or 0), int(getattr(hf, "qk_rope_head_dim", 0) or 0)
+    bad = []
+    if latent % 128 or latent + rope not in (320, 576):
+        bad.append(
+            f"MLA latent width {latent} + RoPE {rope} (kvarn: a latent that is a multiple of 128, latent + RoPE "
+            "320 or 576 as vLLM's MLA layers take)"
+        )
+    if getattr(hf, "index_topk", None) or getattr(model, "use_sparse", False):
+        bad.append("sparse MLA (an indexer selecting top-k tokens)")
+    if get_preset(name).scheme.overrides:
+        bad.append("per-layer bit overrides on an MLA model (kvarn's MLA pages have one size)")
+    if not current_platform.is_cpu():
+        bad.append("MLA on this platform (kvarn serves MLA on vLLM's CPU backend only; no GPU kernels for it yet)")
+    return bad
 
 
 FULL, SLIDING = "full_attention", "sliding_attention"

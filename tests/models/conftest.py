@@ -55,3 +55,11 @@ def hybrid_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """GraniteMoeHybrid-like (Mamba2, attention, Mamba2, attention; 2 KV heads at head_dim 64), bf16,
     with the byte tokenizer, as a Hugging Face folder."""
     return save(build(granite_hybrid_config()).to(torch.bfloat16), tmp_path_factory.mktemp("granite-hybrid-tiny"))
+
+
+@pytest.fixture(scope="session")
+def mla_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek-V2-like (2 dense layers, 4 heads, latent 512 + RoPE 64), bf16, byte tokenizer."""
+    from tests.models.mla_trial import build as build_mla
+
+    return build_mla(tmp_path_factory.mktemp("deepseek-v2-tiny"))

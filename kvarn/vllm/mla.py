@@ -1,0 +1,280 @@
+"""kvarn for MLA (DeepSeek-style latent attention) on vLLM's CPU backend: a quantized latent cache.
+
+An MLA layer caches one row per token, the latent ``c`` (``kv_lora_rank``) and the RoPE key part
+``k_pe``. Decode scores the query, absorbed into latent space, against ``[c, k_pe]`` and sums ``c``
+as values: multi-query attention over one 576-wide row. kvarn stores each tile of ``group_size``
+rows as one record of :mod:`kvarn.codec.latent` (latent at ``key_bits``, RoPE 16-bit, as KVarN
+does): one vLLM block = one tile, its page one record (``[num_blocks, 1, record_bytes]`` uint8).
+
+Everything else is kvarn's standard machinery, shared with :mod:`kvarn.vllm.backend`: partial
+tiles wait unquantized in the staging pool, exact first tokens in the sink pool, both planned once
+per step by the shared planner (``max_num_seqs`` slots, allocated before vLLM sizes the KV cache).
+What is vLLM's: the layer (weight absorption, the up-projection of prefill), the metadata, and the
+prefill attention over the step's own tokens (vLLM's CPU MLA prefill, SDPA).
+
+Limits, all checked at start-up (:mod:`kvarn.vllm.plugin`): vLLM's CPU platform only (attention
+here is PyTorch: each decode step dequantizes the tiles it reads; there are no Triton kernels for
+this layout), one scheme on every layer (no per-layer overrides), a latent width that is a
+multiple of 128, no sparse MLA. Chunked prefill and prefix caching are turned off (vLLM's CPU
+platform does the same for its own MLA backend): a prefill then attends only its own tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.v1.attention.backend import CommonAttentionMetadata, MultipleOf
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from vllm.model_executor.layers.attention.mla_attention import (  # isort: skip
+    MLAAttention,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+)
+
+from kvarn.codec.latent import dequantize_latent, latent_tile_bytes, quantize_latent, rope_dtype
+from kvarn.schemes import Scheme
+from kvarn.vllm import live
+from kvarn.vllm.backend import _Planner, _scheme_of, packed_spec, shared_planner
+from kvarn.vllm.plugin import is_kvarn_dtype, staging_slots
+from kvarn.vllm.pools import reserve, sink_capacity
+from kvarn.vllm.step import StepTensors, Writes, build_step
+
+# (latent width, RoPE width, model dtype) of this process's MLA layers, recorded when they are built
+_DIMS: dict[str, tuple[int, int, torch.dtype]] = {}
+
+
+@dataclass
+class MLAStep:
+    """One step of a kvarn MLA group: the writes of :class:`StepTensors`, and what decode rows read.
+
+    Decode rows are the step's first requests (vLLM orders decodes first), one new token each.
+    """
+
+    writes: StepTensors  # staging/sink writes and the tiles that became full (attention rows unused)
+    table: torch.Tensor  # [D, W] int64 blocks of the full tiles each decode row reads (0-padded)
+    tiles: torch.Tensor  # [D] int64 full tiles read
+    tail_slot: torch.Tensor  # [D] int64 staging slot of the partial tile (0 when tail_lens is 0)
+    tail_lens: torch.Tensor  # [D] int64 rows of it read (the new token included)
+    sink_slot: torch.Tensor  # [D] int64 sink slot read
+    sink_rows: torch.Tensor  # [D] int64 exact rows replacing tile 0's first rows (0: none)
+
+
+class _MLAPlanner(_Planner):
+    def _plan(self, m: CommonAttentionMetadata) -> MLAStep:  # type: ignore[override]
+        plans, decode = self.plan_requests(m)
+        t = self.scheme.group_size
+        for p in plans:
+            if p.ctx and p.q_len > 1:
+                raise NotImplementedError(
+                    f"kvarn {self.scheme.name} (MLA): a request computes {p.q_len} tokens after {p.ctx} cached "
+                    "ones (chunked prefill, prefix caching or speculative decoding), which the MLA path does "
+                    "not serve: its prefill attends the step's own tokens only"
+                )
+        table = m.block_table_tensor[: m.num_reqs]
+        writes = build_step(
+            plans, table, t, sink_tile=self.scheme.sink_tile, has_sink=self.sinks is not None, decode=decode
+        )
+        rows = plans[: next((i for i, p in enumerate(plans) if p.q_len > 1), len(plans))]  # decodes lead
+        n_full = [0 if p.dummy else (p.ctx + 1) // t for p in rows]
+        width = max(n_full, default=0) or 1
+        blocks = [p.row[:n] + [0] * (width - n) for p, n in zip(rows, n_full, strict=True)]
+        tail = [0 if p.dummy else (p.ctx + 1) % t for p in rows]
+        slot = [(p.read_slot if p.staged(t) else p.new_slot) if n else 0 for p, n in zip(rows, tail, strict=True)]
+        sink = [p.sink_read if p.sink_slot >= 0 and n else 0 for p, n in zip(rows, n_full, strict=True)]
+
+        def i64(x: list[Any]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long).to(table.device)
+
+        return MLAStep(
+            writes=writes,
+            table=i64(blocks).view(len(rows), width),
+            tiles=i64(n_full),
+            tail_slot=i64(slot),
+            tail_lens=i64(tail),
+            sink_slot=i64([max(p.sink_slot, 0) for p in rows]),
+            sink_rows=i64(sink),
+        )
+
+
+class KvarnMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata[Any]]):
+    """vLLM's MLA metadata, plus the step's :class:`MLAStep` (``metadata.kvarn``)."""
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.scheme = _scheme_of(vllm_config.cache_config.cache_dtype)
+        if kv_cache_spec.block_size != self.scheme.group_size:
+            raise ValueError(
+                f"kv_cache_dtype={self.scheme.name} needs block_size={self.scheme.group_size} (one vLLM block = "
+                f"one tile), got {kv_cache_spec.block_size}"
+            )
+        self.planner = shared_planner(vllm_config, self.scheme, layer_names, _MLAPlanner)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> MLACommonMetadata[Any]:
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        md.kvarn = self.planner.build(common_attn_metadata)  # type: ignore[attr-defined]
+        return md
+
+
+def _record_bytes(scheme: Scheme) -> int:
+    latent, rope, _ = _DIMS["current"]
+    return latent_tile_bytes(scheme, latent, rope)
+
+
+class KvarnMLABackend(CPUMLABackend):
+    """Selected by the plugin for MLA models on the CPU when ``kv_cache_dtype`` is a kvarn preset."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "KVARN_MLA"
+
+    @staticmethod
+    def get_impl_cls() -> type[KvarnMLAImpl]:
+        return KvarnMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KvarnMLAMetadataBuilder]:
+        return KvarnMLAMetadataBuilder
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype: Any) -> bool:
+        return is_kvarn_dtype(kv_cache_dtype)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any latent + RoPE width; the plugin checks the latent is a multiple of 128
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+        tps = getattr(kv_cache_spec, "tokens_per_state", 1)
+        if isinstance(tps, int) and tps > 1:
+            return [tps]  # one block = one tile, never split
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        return block_size is None or block_size % 16 == 0
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """One state per block: the record of one tile (:func:`kvarn.codec.latent.latent_tile_bytes`)."""
+        if spec.state_content_bytes is not None:
+            return spec
+        scheme = _scheme_of(
+            str(getattr(spec, "cache_dtype_str", None) or get_current_vllm_config().cache_config.cache_dtype)
+        )
+        return packed_spec(spec, scheme, _record_bytes(scheme))
+
+
+class KvarnMLAImpl(CPUMLAImpl):
+    """vLLM's CPU MLA, with the latent cache stored as kvarn tiles; owns the layer's pools."""
+
+    kvarn_pools = True  # see kvarn.vllm.live
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.scheme = _scheme_of(self.kv_cache_dtype)
+        config = get_current_vllm_config()
+        dtype = config.model_config.dtype
+        assert isinstance(dtype, torch.dtype)
+        _DIMS["current"] = (self.kv_lora_rank, self.qk_rope_head_dim, dtype)
+        self.width = self.kv_lora_rank + self.qk_rope_head_dim
+        self.rope_type = rope_dtype(dtype)
+        self.nbytes = _record_bytes(self.scheme)
+        # the pools, allocated now: before vLLM measures memory for the KV cache
+        slots = staging_slots(config.scheduler_config.max_num_seqs)[1]
+        device = torch.device(str(config.device_config.device))
+        t = self.scheme.group_size
+        self.stage = torch.zeros(slots, t, self.width, dtype=dtype, device=device)
+        cap = sink_capacity(self.scheme)
+        self.sink = torch.zeros(slots, cap, self.width, dtype=dtype, device=device) if cap else None
+        reserve(config, slots * (t + cap) * self.width * dtype.itemsize)
+        live.install()
+        install_mla_store()
+
+    # ---- store ---------------------------------------------------------------------------------
+    @staticmethod
+    def _write(pool: torch.Tensor | None, rows: torch.Tensor, w: Writes | None) -> None:
+        if pool is None or w is None:
+            return
+        src, slot, row = w
+        pool[slot, row] = rows.index_select(0, src).to(pool.dtype)
+
+    def store(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, step: MLAStep) -> None:
+        """Commit the step's rows: staging and sink writes, then tiles that became full into their pages."""
+        st = step.writes
+        n = st.num_tokens
+        rows = torch.cat([kv_c_normed[:n], k_pe[:n].reshape(n, -1).to(kv_c_normed.dtype)], dim=1)
+        self._write(self.stage, rows, st.stage_pre)
+        self._write(self.sink, rows, st.sink_writes)
+        if st.full_blocks is not None:
+            t = self.scheme.group_size
+            parts = []
+            if st.full_slots is not None:
+                parts.append(self.stage.index_select(0, st.full_slots))
+            if st.full_tokens is not None:
+                parts.append(rows.index_select(0, st.full_tokens).view(-1, t, self.width).to(self.stage.dtype))
+            tiles = torch.cat(parts)
+            latent, rope = tiles.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=2)
+            pages = kv_cache.view(torch.uint8)
+            pages = pages[:, 0] if pages.dim() == 3 else pages  # [blocks, 1, bytes] as vLLM binds it
+            pages[st.full_blocks, : self.nbytes] = quantize_latent(latent, rope, self.scheme, self.rope_type)
+        self._write(self.stage, rows, st.stage_post)
+
+    # ---- decode --------------------------------------------------------------------------------
+    def forward_mqa(
+        self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: MLACommonMetadata[Any], layer: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """Absorbed queries ``[B, heads, L + R]`` over packed tiles, then the staged partial tile."""
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        step: MLAStep = attn_metadata.kvarn  # type: ignore[attr-defined]
+        b, t = q.shape[0], self.scheme.group_size
+        pages = kv_c_and_k_pe_cache.view(torch.uint8)
+        pages = pages[:, 0] if pages.dim() == 3 else pages
+        table, tiles = step.table[:b], step.tiles[:b]
+        w = table.shape[1]
+        rec = pages.index_select(0, table.reshape(-1))[:, : self.nbytes]
+        keys = dequantize_latent(rec, self.scheme, self.kv_lora_rank, self.qk_rope_head_dim, self.rope_type)
+        keys = keys.view(b, w * t, self.width)
+        if self.sink is not None:  # exact first rows over tile 0's
+            rows = torch.arange(self.sink.shape[1], device=q.device)
+            exact = (rows[None, :] < step.sink_rows[:b, None]).unsqueeze(-1)
+            head = keys[:, : self.sink.shape[1]]
+            keys[:, : self.sink.shape[1]] = torch.where(exact, self.sink[step.sink_slot[:b]].float(), head)
+        keys = torch.cat([keys, self.stage[step.tail_slot[:b]].float()], dim=1)  # [B, W*T + T, L + R]
+        pos = torch.arange(keys.shape[1], device=q.device)
+        valid = torch.where(
+            pos[None, :] < w * t, pos[None, :] < tiles[:, None] * t, pos[None, :] - w * t < step.tail_lens[:b, None]
+        )
+        scores = torch.einsum("bhd,bnd->bhn", q.float(), keys) * self.scale
+        probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1).nan_to_num(0.0)  # warm-up rows
+        out = torch.einsum("bhn,bnl->bhl", probs, keys[..., : self.kv_lora_rank])
+        return out.to(q.dtype), None
+
+
+def install_mla_store() -> None:
+    """Route ``MLAAttention.update_kv_cache`` of kvarn layers to :meth:`KvarnMLAImpl.store` (once per
+    process): vLLM hands the impl's ``do_kv_cache_update`` only slot ids, and kvarn plans by step."""
+    if getattr(MLAAttention, "_kvarn_store", False):
+        return
+    original = MLAAttention.update_kv_cache
+
+    def update_kv_cache(self: Any, kv_c_normed: Any, k_pe: Any, kv_cache: Any, slot_mapping: Any,
+                        attn_metadata: Any, *args: Any, **kwargs: Any) -> None:  # fmt: skip
+        if not isinstance(self.impl, KvarnMLAImpl):
+            return original(self, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata, *args, **kwargs)
+        if slot_mapping is None or attn_metadata is None or kv_cache.numel() == 0:
+            return None
+        self.impl.store(kv_c_normed, k_pe, kv_cache, attn_metadata.kvarn)
+        return None
+
+    MLAAttention.update_kv_cache = update_kv_cache  # type: ignore[method-assign]
+    MLAAttention._kvarn_store = True  # type: ignore[attr-defined]
