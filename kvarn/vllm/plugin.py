@@ -160,9 +160,7 @@ def _patch_platform(cls: Any = None) -> None:
         if attn_selector_config.use_sparse:
             raise ValueError(f"kv_cache_dtype={name!r}: sparse attention is not supported by kvarn")
         if attn_selector_config.use_mla:
-            from vllm.platforms import current_platform
-
-            if not current_platform.is_cpu():
+            if getattr(_cls, "_enum", None) is None or _cls._enum.name != "CPU":
                 raise ValueError(
                     f"kv_cache_dtype={name!r}: kvarn serves MLA (latent attention) on vLLM's CPU backend only; "
                     "its GPU kernels for the latent layout are not written. Use another kv_cache_dtype here."

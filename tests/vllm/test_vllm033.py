@@ -302,7 +302,7 @@ def check_platform(tmp: Path) -> Any:
         CudaPlatform.get_attn_backend_cls(None, sel._replace(use_mla=True))
         raise AssertionError("MLA was not refused")
     except ValueError as e:
-        assert "MLA attention is not supported by kvarn" in str(e)
+        assert "kvarn serves MLA (latent attention) on vLLM's CPU backend only" in str(e)  # GPU: no latent kernels
     vllm.platforms.current_platform = CudaPlatform()  # vLLM's selector, as on a GPU
     with set_current_vllm_config(VllmConfig(cache_config=CacheConfig(cache_dtype=name, block_size=128))):
         selected = get_attn_backend(64, torch.bfloat16, name)
