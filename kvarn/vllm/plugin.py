@@ -209,6 +209,12 @@ def mla_settings(vllm_config: Any) -> None:
     sched = vllm_config.scheduler_config
     sched.enable_chunked_prefill = False
     sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, model.max_model_len)
+    logger.info(
+        "kvarn %s on an MLA model: block_size %d (one tile; not the 16 of vLLM's own CPU MLA kernel), chunked "
+        "prefill and prefix caching off",
+        cache.cache_dtype,
+        tile,
+    )
 
 
 def _register_backend() -> None:
