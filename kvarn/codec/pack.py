@@ -39,6 +39,13 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(packed: torch.Tensor, bits: int, tokens: int, head_dim: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: ``[N, T*D*bits/8]`` uint8 -> ``[N, T, D]`` uint8."""
     n = packed.shape[0]
+    if len(planes(bits)) == 1:  # one plane (2, 4, 8 bits): shift and mask in uint8
+        per = 8 // bits
+        if per == 1:
+            return packed[:, : tokens * head_dim].reshape(n, tokens, head_dim).clone()
+        shifts = torch.arange(per, dtype=torch.uint8, device=packed.device) * bits
+        plane = packed[:, : tokens * head_dim // per].reshape(n, -1, 1)
+        return ((plane >> shifts) & ((1 << bits) - 1)).reshape(n, tokens, head_dim)
     codes = torch.zeros(n, tokens, head_dim, dtype=torch.int32, device=packed.device)
     offset = 0
     shift = 0
