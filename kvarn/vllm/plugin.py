@@ -366,6 +366,8 @@ def _mla_problems(name: str, model: Any) -> list[str]:
         bad.append("sparse MLA (an indexer selecting top-k tokens)")
     if get_preset(name).scheme.overrides:
         bad.append("per-layer bit overrides on an MLA model (kvarn's MLA pages have one size)")
+    if getattr(model, "is_hybrid", False):
+        bad.append("MLA layers in a hybrid (Mamba / linear-attention) model (not implemented)")
     if not current_platform.is_cpu():
         bad.append("MLA on this platform (kvarn serves MLA on vLLM's CPU backend only; no GPU kernels for it yet)")
     return bad
