@@ -35,7 +35,7 @@ class KernelConfig:
         return kw if self.maxnreg is None else {**kw, "maxnreg": self.maxnreg}
 
 
-def store_configs(scheme: Scheme, head_dim: int) -> list[KernelConfig]:
+def store_configs(scheme: Scheme, head_dim: int, bits: int | None = None) -> list[KernelConfig]:
     """Store kernel: one program per tile, streaming it through its workspace in chunks.
 
     ``block_m`` is the tokens per row chunk (512 elements) and ``block_n`` the channels per
@@ -46,12 +46,19 @@ def store_configs(scheme: Scheme, head_dim: int) -> list[KernelConfig]:
     The full matrix (``--full --only '^store'``, 2026-12-01; 8 warps) passed on sm_90 (97-102
     registers) and on sm_80 but for a 3-bit side at head_dim 128 (k3v2_g128): ptxas kept it to 80
     registers and spilled 68 bytes. With 4 warps it takes 128 registers and no spills on both archs.
+    Triton 3.6.0 (the GPU machines') spilled 8 bytes at 8 warps on sm_90 at head_dim 256 for 3-bit
+    sides (g128) and 4-bit sides of 64-token tiles; 4 warps compile them to 128 registers (168 on
+    sm_80) without spills on Triton 3.6.0 and 3.9.0. But 4 warps for *both* sides of
+    ``kvarn_k3v2_g128`` at 256 spilled 8 bytes on the 2-bit side (fp16, sm_90, Triton 3.9.0), which
+    passes at 8 warps on both: so the config is per side (``bits``: the side's code width; the
+    two sides are separate launches), 4 warps only for the sides that need them.
     A register cap does not help: ``maxnreg`` 128 or 168 at 8 warps, or 4 warps elsewhere, spilled
     8-48 bytes on sm_90 (head_dim 64 and 256) where the uncapped 8-warp kernels did not.
     """
     t, d = scheme.group_size, head_dim
     rows, cols = min(t, max(1, 512 // d)), min(d, max(1, 2048 // t))
-    if head_dim == 128 and 3 in (scheme.key_bits, scheme.value_bits):
+    sides = (scheme.key_bits, scheme.value_bits) if bits is None else (bits,)
+    if (head_dim in (128, 256) and 3 in sides) or (head_dim == 256 and t == 64 and 4 in sides):
         return [KernelConfig(4, 1, rows, cols), KernelConfig(8, 1, rows, cols)]
     return [KernelConfig(8, 1, rows, cols), KernelConfig(4, 1, rows, cols)]
 

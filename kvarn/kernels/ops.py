@@ -115,8 +115,8 @@ def store_tiles(
         block_ids: ``[N]`` int32/int64 destination blocks (the slot mapping, one entry per tile).
         scheme: a scheme without per-layer overrides.
         check_finite: refuse inf/NaN like the reference codec (costs a device sync).
-        config: launch options; default ``configs.store_configs(...)[0]`` (``block_m``/``block_n``:
-            tokens per row chunk and channels per column chunk).
+        config: launch options for both sides; default per side ``configs.store_configs(scheme, d,
+            bits)[0]`` (``block_m``/``block_n``: tokens per row chunk and channels per column chunk).
 
     Allocates a float32 workspace of ``N * num_kv_heads * (T * D + 10 * (T + D))`` elements (74 KiB
     per tile at 128 x 128; from the caching allocator, so also inside a CUDA graph capture).
@@ -137,7 +137,6 @@ def store_tiles(
     if check_finite and not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
         raise ValueError("keys or values contain inf or NaN; the codec refuses to store a poisoned tile")
     lay = layout(scheme, d)
-    cfg = config or store_configs(scheme, d)[0]
     rot = rotation(scheme.rotation, d, dev)
     lut = log8_table(dev)
     block_ids = block_ids.contiguous()
@@ -145,15 +144,16 @@ def store_tiles(
     # resident) instead of holding [T, D] float32 in registers; both sides reuse it (same stream)
     work = torch.empty(n * h, t * d + 10 * (t + d), dtype=torch.float32, device=dev)
     compiled = isinstance(store_side_kernel, triton.runtime.JITFunction)  # False under TRITON_INTERPRET=1
-    # chunks bound registers on a GPU; the interpreter (numpy) is fastest with one chunk per pass
-    rows, cols = (cfg.block_m, cfg.block_n) if compiled or config else (t, d)
-    if t % rows or d % cols:
-        raise KernelArgumentError(f"store config block_m={rows}, block_n={cols} must divide tile {t} x {d}")
     sides = (
         (keys, lay.key_codes, lay.key_scale, lay.key_offset, lay.key_factor, scheme.key_bits, True),
         (values, lay.value_codes, lay.value_scale, lay.value_offset, lay.value_factor, scheme.value_bits, False),
     )
     for x, code_off, s_off, o_off, f_off, bits, per_channel in sides:
+        cfg = config or store_configs(scheme, d, bits)[0]
+        # chunks bound registers on a GPU; the interpreter (numpy) is fastest with one chunk per pass
+        rows, cols = (cfg.block_m, cfg.block_n) if compiled or config else (t, d)
+        if t % rows or d % cols:
+            raise KernelArgumentError(f"store config block_m={rows}, block_n={cols} must divide tile {t} x {d}")
         store_side_kernel[(n * h,)](
             x,
             x.stride(0),
