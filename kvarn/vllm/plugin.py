@@ -8,9 +8,10 @@ more than once, so it is idempotent). It
    such as ``kvarn_k4v2_g128_sink1`` that the front end resolved, passed to the processes it
    spawns in ``KVARN_RESOLVED_DTYPES``) as a KV-cache dtype:
    through :mod:`kvarn.vllm.compat` (vLLM 0.33's handler API, or vLLM 0.32's ``CacheDType`` Literal);
-2. routes attention to :class:`kvarn.vllm.backend.KvarnAttentionBackend` whenever the KV-cache
-   dtype is a kvarn name, by wrapping the platform's ``get_attn_backend_cls``; any other dtype
-   gets exactly what the platform chose before;
+2. routes attention to :class:`kvarn.vllm.backend.KvarnAttentionBackend` (MLA layers on the CPU:
+   :class:`kvarn.vllm.mla.KvarnMLABackend`) whenever the KV-cache dtype is a kvarn name, by wrapping
+   the platform's ``get_attn_backend_cls``; any other dtype gets exactly what the platform chose
+   before;
 3. resolves every other name with one function, :func:`resolve_dtype`, in ``EngineArgs`` (``LLM()``)
    and as the type of the ``--kv-cache-dtype`` CLI option (``vllm serve``): any name
    :func:`kvarn.schemes.get_preset` accepts, canonical names such as ``kvarn_k4v2_g128_sink1``
@@ -218,7 +219,7 @@ def mla_settings(vllm_config: Any) -> None:
 
 
 def _register_backend() -> None:
-    """Add ``KVARN`` to vLLM's attention backend enum (vLLM looks backends up by name)."""
+    """Add ``KVARN`` and ``KVARN_MLA`` to vLLM's attention backend enum (vLLM looks backends up by name)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     for name, path in ((BACKEND_NAME, BACKEND_PATH), (MLA_BACKEND_NAME, MLA_BACKEND_PATH)):
