@@ -343,10 +343,19 @@ _PLANNERS: dict[int, tuple[VllmConfig, _Planner]] = {}
 
 
 def shared_planner(
-    vllm_config: VllmConfig, scheme: Scheme, layer_names: list[str], factory: type[_Planner] = _Planner
+    vllm_config: VllmConfig, block_size: int, layer_names: list[str], factory: type[_Planner] = _Planner
 ) -> _Planner:
     """The planner the kvarn layers of one engine share (made by the first metadata builder; a new
-    one when builders are made anew for a new KV cache), logging the pools' size when made."""
+    one when builders are made anew for a new KV cache), logging the pools' size when made.
+
+    Raises ``ValueError`` unless the builder's ``block_size`` is one tile of the engine's scheme."""
+    scheme = _scheme_of(vllm_config.cache_config.cache_dtype)
+    t = scheme.group_size
+    if block_size != t:
+        raise ValueError(
+            f"kv_cache_dtype={scheme.name} needs block_size={t} (one vLLM block = one tile), "
+            f"got {block_size}; pass block_size={t} (--block-size {t})"
+        )
     shared = _PLANNERS.get(id(vllm_config))
     names = set(layer_names)
     if (
@@ -381,14 +390,8 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.scheme = _scheme_of(vllm_config.cache_config.cache_dtype)
-        t = self.scheme.group_size
-        if kv_cache_spec.block_size != t:
-            raise ValueError(
-                f"kv_cache_dtype={self.scheme.name} needs block_size={t} (one vLLM block = one tile), "
-                f"got {kv_cache_spec.block_size}; pass block_size={t} (--block-size {t})"
-            )
-        self.planner = shared_planner(vllm_config, self.scheme, layer_names)
+        self.planner = shared_planner(vllm_config, kv_cache_spec.block_size, layer_names)
+        self.scheme = self.planner.scheme
 
     @property
     def pool(self) -> StagingPool:

@@ -106,13 +106,7 @@ class KvarnMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata[Any]]):
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.scheme = _scheme_of(vllm_config.cache_config.cache_dtype)
-        if kv_cache_spec.block_size != self.scheme.group_size:
-            raise ValueError(
-                f"kv_cache_dtype={self.scheme.name} needs block_size={self.scheme.group_size} (one vLLM block = "
-                f"one tile), got {kv_cache_spec.block_size}"
-            )
-        self.planner = shared_planner(vllm_config, self.scheme, layer_names, _MLAPlanner)
+        self.planner = shared_planner(vllm_config, kv_cache_spec.block_size, layer_names, _MLAPlanner)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
