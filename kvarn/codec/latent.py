@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from kvarn.codec.pack import pack_codes, unpack_codes
-from kvarn.codec.params import load_offset, load_positive
+from kvarn.codec.params import load_offset, load_positive, read_params, stored_dtypes
 from kvarn.codec.rotation import rotate, unrotate
 from kvarn.codec.tiles import _as_bytes, _check_tiles, _encode_side
 from kvarn.schemes.scheme import Scheme
@@ -86,12 +86,11 @@ def dequantize_latent(
     code_bytes = t * LATENT_CHUNK * scheme.key_bits // 8
     at = c * code_bytes
     codes = unpack_codes(records[:, :at].reshape(n * c, code_bytes), scheme.key_bits, t, LATENT_CHUNK)
-    raw = torch.float16 if scheme.scale_dtype == "fp16" else torch.uint8
-    off = torch.float16 if scheme.scale_dtype == "fp16" else torch.int8
+    raw, off = stored_dtypes(scheme.scale_dtype)
 
     def sect(count: int, dtype: torch.dtype) -> torch.Tensor:
         nonlocal at
-        x = records[:, at : at + count * p].contiguous().view(dtype).reshape(n * c, -1)
+        x = read_params(records, at, count, dtype).reshape(n * c, -1)
         at += count * p
         return x
 

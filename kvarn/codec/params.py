@@ -92,3 +92,14 @@ def quantize_affine(
 def load_offset(raw: torch.Tensor, scale: torch.Tensor, scale_dtype: str) -> torch.Tensor:
     """Decode stored zero points: fp16 minimum, or int8 zero point times the decoded scale."""
     return raw.float() if scale_dtype == "fp16" else raw.float() * scale
+
+
+def stored_dtypes(scale_dtype: str) -> tuple[torch.dtype, torch.dtype]:
+    """How params are serialized: ``(scales and factors, offsets)`` as float16, or log8 bytes and int8 zero points."""
+    return (torch.float16, torch.float16) if scale_dtype == "fp16" else (torch.uint8, torch.int8)
+
+
+def read_params(records: torch.Tensor, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``count`` params per record stored as ``dtype`` from byte ``start`` of ``[N, bytes]`` uint8 records."""
+    nbytes = count * torch.empty(0, dtype=dtype).element_size()
+    return records[:, start : start + nbytes].contiguous().view(dtype)

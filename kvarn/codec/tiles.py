@@ -25,7 +25,7 @@ import torch
 
 from kvarn.codec.normalize import sinkhorn_iterates
 from kvarn.codec.pack import pack_codes, unpack_codes
-from kvarn.codec.params import load_offset, load_positive, quantize_affine, store_positive
+from kvarn.codec.params import load_offset, load_positive, quantize_affine, read_params, store_positive, stored_dtypes
 from kvarn.codec.rotation import rotate, unrotate
 from kvarn.schemes.scheme import Scheme
 
@@ -186,24 +186,18 @@ def decode_records(records: torch.Tensor, scheme: Scheme, head_dim: int) -> Deco
             f"got {list(records.shape)} {records.dtype}"
         )
     t, d = scheme.group_size, head_dim
-    raw_dtype = torch.float16 if scheme.scale_dtype == "fp16" else torch.uint8
-    off_dtype = torch.float16 if scheme.scale_dtype == "fp16" else torch.int8
-
-    def sect(start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = count * scheme.param_bytes
-        return records[:, start : start + nbytes].contiguous().view(dtype)
-
-    ks = load_positive(sect(lay.key_scale, d, raw_dtype), scheme.scale_dtype)
-    vs = load_positive(sect(lay.value_scale, t, raw_dtype), scheme.scale_dtype)
+    raw_dtype, off_dtype = stored_dtypes(scheme.scale_dtype)
+    ks = load_positive(read_params(records, lay.key_scale, d, raw_dtype), scheme.scale_dtype)
+    vs = load_positive(read_params(records, lay.value_scale, t, raw_dtype), scheme.scale_dtype)
     return DecodedTiles(
         key_codes=unpack_codes(records[:, lay.key_codes : lay.value_codes], scheme.key_bits, t, d),
         key_scale=ks,
-        key_offset=load_offset(sect(lay.key_offset, d, off_dtype), ks, scheme.scale_dtype),
-        key_factor=load_positive(sect(lay.key_factor, t, raw_dtype), scheme.scale_dtype),
+        key_offset=load_offset(read_params(records, lay.key_offset, d, off_dtype), ks, scheme.scale_dtype),
+        key_factor=load_positive(read_params(records, lay.key_factor, t, raw_dtype), scheme.scale_dtype),
         value_codes=unpack_codes(records[:, lay.value_codes : lay.key_scale], scheme.value_bits, t, d),
         value_scale=vs,
-        value_offset=load_offset(sect(lay.value_offset, t, off_dtype), vs, scheme.scale_dtype),
-        value_factor=load_positive(sect(lay.value_factor, d, raw_dtype), scheme.scale_dtype),
+        value_offset=load_offset(read_params(records, lay.value_offset, t, off_dtype), vs, scheme.scale_dtype),
+        value_factor=load_positive(read_params(records, lay.value_factor, d, raw_dtype), scheme.scale_dtype),
     )
 
 
