@@ -71,6 +71,9 @@ def decode_configs(scheme: Scheme, head_dim: int, group_q: int) -> list[KernelCo
     Triton 3.9 and 3.6), no spills: sm_90 head_dim 64, 4 warps, BT 64, cap 168: 154-164
     registers, 3 programs/SM; 128, 4 warps, BT 32, cap 168: 166, 3 programs/SM; 256, 4 warps, BT
     32: 254, 2 programs/SM. 8 warps spilled at 128 with Triton 3.6, and reach no lower at 256.
+    One query head per KV head at 256 takes BT 16: at BT 32 Triton 3.6 spilled 8 bytes on sm_90
+    (k4v2_g128, fp16, split-K 4; the full matrix, 2026-12-01); BT 16 compiles to 253-254 registers
+    and 2 programs/SM without spills.
     Unmeasured on a GPU: the alternatives follow for ``bench_kernels --sweep``.
     """
     bt = min(scheme.group_size, 32 if head_dim > 128 else 64)
@@ -78,6 +81,8 @@ def decode_configs(scheme: Scheme, head_dim: int, group_q: int) -> list[KernelCo
         return [KernelConfig(4, 2, 16, bt, 168), KernelConfig(8, 2, 16, 2 * bt), KernelConfig(4, 1, 16, bt, 168)]
     if head_dim <= 128:
         return [KernelConfig(4, 2, 16, bt // 2, 168), KernelConfig(8, 1, 16, bt), KernelConfig(4, 1, 16, bt // 2, 168)]
+    if group_q == 1:  # Triton 3.6.0 spilled 8 bytes at BT 32 on sm_90 (k4v2_g128, fp16, split-K 4)
+        return [KernelConfig(4, 2, 16, bt // 2, 255), KernelConfig(4, 2, 16, bt, 255), KernelConfig(8, 1, 16, bt)]
     return [KernelConfig(4, 2, 16, bt, 255), KernelConfig(4, 2, 16, bt // 2, 255), KernelConfig(8, 1, 16, bt)]
 
 

@@ -63,7 +63,14 @@ def test_decode_tail_lengths_one_to_group_size() -> None:
     assert sqnr_db(_decode_ref(pb, q), out.cpu()) >= MIN_SQNR_DB
 
 
-@pytest.mark.parametrize(("name", "d", "group"), [("kvarn_k4v2_g32", 256, 7), ("kvarn_k2v3_g32_s8_sink1", 128, 7)])
+@pytest.mark.parametrize(
+    ("name", "d", "group"),
+    [
+        ("kvarn_k4v2_g32", 256, 7),
+        ("kvarn_k4v2_g32", 256, 1),  # one query head per KV head at 256: its own (half) sub-block config
+        ("kvarn_k2v3_g32_s8_sink1", 128, 7),
+    ],
+)
 def test_decode_group_7_and_head_dim_256(name: str, d: int, group: int) -> None:
     s = named(name)
     pb = paged_batch(s, [32 + 7, 4], hkv=1, d=d, seed=6)
