@@ -41,6 +41,21 @@ def _write(pool: Pool, key: torch.Tensor, value: torch.Tensor, w: Writes | None)
     pool[1][slot, :, row] = value.index_select(0, src).to(pool[1].dtype)
 
 
+def gather_full_tiles(
+    pool: torch.Tensor, rows: torch.Tensor, st: StepTensors, group_size: int, token_dim: int
+) -> torch.Tensor:
+    """The tiles that became full this step, one per ``st.full_blocks`` entry: staged ones whole from
+    their ``pool`` slot (``st.full_slots``), then those this step's ``rows`` ``[N, ...]`` fill alone
+    (``st.full_tokens``), with the token axis moved to ``token_dim`` as in the pool and its dtype."""
+    parts = []
+    if st.full_slots is not None:
+        parts.append(pool.index_select(0, st.full_slots))
+    if st.full_tokens is not None:
+        tiles = rows.index_select(0, st.full_tokens).view(-1, group_size, *rows.shape[1:])
+        parts.append(tiles.movedim(1, token_dim).to(pool.dtype))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def store_full_tiles(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -55,16 +70,8 @@ def store_full_tiles(
     if st.full_blocks is None:
         return
     h, d, t = key.shape[1], key.shape[2], scheme.group_size
-    ks: list[torch.Tensor] = []
-    vs: list[torch.Tensor] = []
-    if st.full_slots is not None:  # [F1, H, T, D], staged tokens and this step's, whole in their slot
-        ks.append(stage[0].index_select(0, st.full_slots))
-        vs.append(stage[1].index_select(0, st.full_slots))
-    if st.full_tokens is not None:  # [F2, H, T, D] straight from this step's keys
-        ks.append(key.index_select(0, st.full_tokens).view(-1, t, h, d).transpose(1, 2).to(stage[0].dtype))
-        vs.append(value.index_select(0, st.full_tokens).view(-1, t, h, d).transpose(1, 2).to(stage[1].dtype))
-    k = ks[0] if len(ks) == 1 else torch.cat(ks)
-    v = vs[0] if len(vs) == 1 else torch.cat(vs)
+    k = gather_full_tiles(stage[0], key, st, t, token_dim=2)  # [F, H, T, D]
+    v = gather_full_tiles(stage[1], value, st, t, token_dim=2)
     nbytes = scheme.tile_bytes(d)
     store = getattr(ops, "store_tiles", None)
     if store is not None:  # no check_finite: it would cost a host sync per layer

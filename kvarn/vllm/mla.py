@@ -40,6 +40,7 @@ from kvarn.codec.latent import dequantize_latent, latent_tile_bytes, quantize_la
 from kvarn.schemes import Scheme
 from kvarn.vllm import live
 from kvarn.vllm.backend import _Planner, _scheme_of, packed_spec, shared_planner
+from kvarn.vllm.forward import gather_full_tiles
 from kvarn.vllm.plugin import is_kvarn_dtype, staging_slots
 from kvarn.vllm.pools import reserve, sink_capacity
 from kvarn.vllm.step import StepTensors, Writes, build_step
@@ -208,13 +209,7 @@ class KvarnMLAImpl(CPUMLAImpl):
         self._write(self.stage, rows, st.stage_pre)
         self._write(self.sink, rows, st.sink_writes)
         if st.full_blocks is not None:
-            t = self.scheme.group_size
-            parts = []
-            if st.full_slots is not None:
-                parts.append(self.stage.index_select(0, st.full_slots))
-            if st.full_tokens is not None:
-                parts.append(rows.index_select(0, st.full_tokens).view(-1, t, self.width).to(self.stage.dtype))
-            tiles = torch.cat(parts)
+            tiles = gather_full_tiles(self.stage, rows, st, self.scheme.group_size, token_dim=1)  # [F, T, L + R]
             latent, rope = tiles.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=2)
             pages = kv_cache.view(torch.uint8)
             pages = pages[:, 0] if pages.dim() == 3 else pages  # [blocks, 1, bytes] as vLLM binds it
