@@ -72,7 +72,7 @@ def decode_configs(scheme: Scheme, head_dim: int, group_q: int) -> list[KernelCo
     registers, 3 programs/SM; 128, 4 warps, BT 32, cap 168: 166, 3 programs/SM; 256, 4 warps, BT
     32: 254, 2 programs/SM. 8 warps spilled at 128 with Triton 3.6, and reach no lower at 256.
     One query head per KV head at 256 takes BT 16: at BT 32 Triton 3.6 spilled 8 bytes on sm_90
-    (k4v2_g128, fp16, split-K 4; the full matrix, 2026-12-01); BT 16 compiles to 253-254 registers
+    (k4v2_g128, fp16, split-K 4; the full matrix, 2026-12-01); BT 16 compiles to 252-255 registers
     and 2 programs/SM without spills.
     Unmeasured on a GPU: the alternatives follow for ``bench_kernels --sweep``.
     """

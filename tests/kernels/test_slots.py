@@ -71,7 +71,7 @@ def test_decode_tail_lengths_one_to_group_size() -> None:
         ("kvarn_k2v3_g32_s8_sink1", 128, 7),
     ],
 )
-def test_decode_group_7_and_head_dim_256(name: str, d: int, group: int) -> None:
+def test_decode_groups_1_7_and_head_dim_256(name: str, d: int, group: int) -> None:
     s = named(name)
     pb = paged_batch(s, [32 + 7, 4], hkv=1, d=d, seed=6)
     q = torch.randn(2, group, d, generator=torch.Generator().manual_seed(6)).to(DEVICE)
