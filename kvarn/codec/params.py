@@ -101,5 +101,4 @@ def stored_dtypes(scale_dtype: str) -> tuple[torch.dtype, torch.dtype]:
 
 def read_params(records: torch.Tensor, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
     """``count`` params per record stored as ``dtype`` from byte ``start`` of ``[N, bytes]`` uint8 records."""
-    nbytes = count * torch.empty(0, dtype=dtype).element_size()
-    return records[:, start : start + nbytes].contiguous().view(dtype)
+    return records[:, start : start + count * dtype.itemsize].contiguous().view(dtype)

@@ -81,9 +81,9 @@ def decode_configs(scheme: Scheme, head_dim: int, group_q: int) -> list[KernelCo
         return [KernelConfig(4, 2, 16, bt, 168), KernelConfig(8, 2, 16, 2 * bt), KernelConfig(4, 1, 16, bt, 168)]
     if head_dim <= 128:
         return [KernelConfig(4, 2, 16, bt // 2, 168), KernelConfig(8, 1, 16, bt), KernelConfig(4, 1, 16, bt // 2, 168)]
-    if group_q == 1:  # Triton 3.6.0 spilled 8 bytes at BT 32 on sm_90 (k4v2_g128, fp16, split-K 4)
-        return [KernelConfig(4, 2, 16, bt // 2, 255), KernelConfig(4, 2, 16, bt, 255), KernelConfig(8, 1, 16, bt)]
-    return [KernelConfig(4, 2, 16, bt, 255), KernelConfig(4, 2, 16, bt // 2, 255), KernelConfig(8, 1, 16, bt)]
+    # one query head per KV head: the half sub-block first (Triton 3.6.0 spilled 8 bytes at BT 32, sm_90)
+    first, second = (bt // 2, bt) if group_q == 1 else (bt, bt // 2)
+    return [KernelConfig(4, 2, 16, first, 255), KernelConfig(4, 2, 16, second, 255), KernelConfig(8, 1, 16, bt)]
 
 
 def dequant_configs(scheme: Scheme, head_dim: int) -> list[KernelConfig]:
