@@ -11,7 +11,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvarn.schemes import PresetError, SchemeError, UnknownSchemeError, list_presets, preset_problems
+from kvarn.schemes import (
+    PresetError,
+    SchemeError,
+    UnknownSchemeError,
+    list_presets,
+    preset_clashes,
+    preset_problems,
+)
 from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
 
 DEFAULT_CONTEXT = 8192  # tokens per sequence the per-sequence sink cost is spread over in `kvarn presets`
@@ -52,11 +59,15 @@ def preset_rows(head_dim: int, context: int = DEFAULT_CONTEXT) -> list[dict[str,
 
 
 def _warn_bad_files() -> int:
-    """Print one warning per preset file that failed to load; returns how many."""
+    """Print one warning per preset file that failed to load and per name that several files
+    define; returns how many."""
     problems = preset_problems()
     for p in problems:
         print(f"kvarn: warning: skipped preset file: {p}", file=sys.stderr)
-    return len(problems)
+    clashes = preset_clashes()
+    for c in clashes:
+        print(f"kvarn: warning: {c}", file=sys.stderr)
+    return len(problems) + len(clashes)
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
@@ -86,7 +97,7 @@ def _cmd_presets(args: argparse.Namespace) -> int:
         f"{args.context} tokens)"
     )
     if bad:
-        print(f"kvarn: {bad} preset file(s) failed to load and were skipped (see the warnings above)", file=sys.stderr)
+        print(f"kvarn: {bad} preset file problem(s): see the warnings above", file=sys.stderr)
     return status
 
 
@@ -102,7 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"tokens per sequence the exact sink tokens are spread over (default {DEFAULT_CONTEXT})",
     )
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    p.add_argument("--strict", action="store_true", help="exit with status 1 if any preset file fails to load")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit with status 1 if any preset file fails to load or two files define one name",
+    )
     p.set_defaults(func=_cmd_presets)
     try:  # the accuracy harness adds `kvarn eval` when it is installed
         from kvarn.eval.cli import add_eval_parser

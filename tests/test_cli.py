@@ -58,3 +58,18 @@ def test_presets_warns_for_bad_files_and_strict_fails(tmp_path, monkeypatch, cap
     (tmp_path / "my_k5.yaml").unlink()
     (tmp_path / "junk.yaml").unlink()
     assert main(["presets", "--strict"]) == 0
+
+
+def test_presets_warns_for_a_name_clash_and_strict_fails(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    body = "version: 1\nname: twice\nkey_bits: {}\nvalue_bits: 2\ngroup_size: 128\nrotation: hadamard\n"
+    body += "norm_iters: 8\nscale_dtype: fp16\nsink_tile: false\n"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "twice.yaml").write_text(body.format(3))
+    (tmp_path / "b" / "twice.yaml").write_text(body.format(4))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("KVARN_PRESET_PATH", f"{tmp_path / 'a'}:{tmp_path / 'b'}")
+    assert main(["presets"]) == 0
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'a' / 'twice.yaml'} is used" in err and f"{tmp_path / 'b' / 'twice.yaml'} ignored" in err
+    assert main(["presets", "--json", "--strict"]) == 1

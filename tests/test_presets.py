@@ -16,6 +16,7 @@ from kvarn.schemes import (
     get_preset,
     list_presets,
     load_preset,
+    preset_clashes,
     preset_problems,
     save_preset,
 )
@@ -164,3 +165,35 @@ def test_preset_problems_name_each_bad_file(tmp_path: Path, monkeypatch: pytest.
 
 def test_no_problems_in_bundled_presets() -> None:
     assert preset_problems([bundled_preset_dir()]) == []
+
+
+def test_name_clash_warns_naming_both_files_and_the_user_folder_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The user preset folder (where kvarn-tune writes) wins over KVARN_PRESET_PATH (e.g. docs/tuned)."""
+    user, shared = tmp_path / "config" / "kvarn" / "presets", tmp_path / "shared"
+    user.mkdir(parents=True)
+    shared.mkdir()
+    (user / "tuned.yaml").write_text(GOOD.replace("key_bits: 3", "key_bits: 4"))
+    (shared / "committed.yaml").write_text(GOOD)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("KVARN_PRESET_PATH", str(shared))
+    with caplog.at_level("WARNING", logger="kvarn.schemes.registry"):
+        p = get_preset("my_preset")
+        get_preset("my_preset")  # warned once per process, not per lookup
+    assert p.scheme.key_bits == 4 and p.source == str(user / "tuned.yaml")
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1
+    assert f"{user / 'tuned.yaml'} is used" in warnings[0] and f"{shared / 'committed.yaml'} ignored" in warnings[0]
+    (clash,) = preset_clashes()
+    assert clash.name == "my_preset" and clash.winner == user / "tuned.yaml"
+    assert clash.shadowed == (shared / "committed.yaml",)
+    assert [q.source for q in list_presets() if q.name == "my_preset"] == [str(user / "tuned.yaml")]
+
+
+def test_one_folder_listed_twice_is_no_clash(tmp_path: Path) -> None:
+    (tmp_path / "x.yaml").write_text(GOOD)
+    assert preset_clashes([tmp_path, tmp_path]) == []
+    (tmp_path / "y.yaml").write_text(GOOD)  # two files in one folder do clash
+    (clash,) = preset_clashes([tmp_path, tmp_path])
+    assert (clash.winner.name, [f.name for f in clash.shadowed]) == ("x.yaml", ["y.yaml"])

@@ -1,13 +1,20 @@
 """The registry: built-in schemes plus user presets found by name, and lookup with clear errors.
 
 Lookup order for :func:`get_preset`: a built-in name; a path to a YAML file; a ``name:`` in a
-preset directory (the bundled ``presets/`` folder, then the directories in ``KVARN_PRESET_PATH``,
-then the user preset directory); finally any canonical scheme name (``kvarn_k3v3_g64_s8``).
+preset directory (the user preset directory, then the directories in ``KVARN_PRESET_PATH``, then the
+bundled ``presets/`` folder); finally any canonical scheme name (``kvarn_k3v3_g64_s8``).
+
+A name defined by files in more than one place is a clash (:class:`PresetClash`): the file in the
+first directory of :func:`search_path` wins, and looking the name up logs a warning naming every
+file and the one used. The user preset directory comes first because ``kvarn-tune`` writes there:
+a name in it is the user's own, most recent measurement, while ``KVARN_PRESET_PATH`` adds shared
+collections (such as the committed ``docs/tuned``).
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -34,6 +41,8 @@ BUILTINS: dict[str, Scheme] = {
 
 PRESET_PATH_ENV = "KVARN_PRESET_PATH"
 
+log = logging.getLogger(__name__)
+
 
 class UnknownSchemeError(KeyError):
     """No scheme or preset by that name; the message lists the valid names and the closest one."""
@@ -54,10 +63,12 @@ def user_preset_dir() -> Path:
 
 
 def search_path() -> list[Path]:
-    """Preset directories in lookup order. The one place ``KVARN_PRESET_PATH`` is read."""
-    dirs = [bundled_preset_dir()]
+    """Preset directories in lookup order (the first that defines a name wins): the user preset
+    directory, the directories in ``KVARN_PRESET_PATH``, the bundled ``presets/``. The one place
+    ``KVARN_PRESET_PATH`` is read."""
+    dirs = [user_preset_dir()]
     dirs += [Path(p) for p in os.environ.get(PRESET_PATH_ENV, "").split(os.pathsep) if p]
-    dirs.append(user_preset_dir())
+    dirs.append(bundled_preset_dir())
     return dirs
 
 
@@ -93,9 +104,40 @@ def _problem(path: Path, err: PresetError) -> PresetProblem:
     return PresetProblem(path, str(err), tuple(dict.fromkeys(names)))
 
 
-def _scan(dirs: list[Path]) -> tuple[dict[str, Preset], list[PresetProblem]]:
+@dataclass(frozen=True)
+class PresetClash:
+    """One preset name defined by more than one preset file; the first in lookup order wins.
+
+    Attributes:
+        name: the clashing name.
+        winner: the file the name resolves to (first in :func:`search_path` order).
+        shadowed: the other files that define it, in lookup order (ignored).
+    """
+
+    name: str
+    winner: Path
+    shadowed: tuple[Path, ...]
+
+    def __str__(self) -> str:
+        others = ", ".join(map(str, self.shadowed))
+        return (
+            f"preset name {self.name!r} is defined by {1 + len(self.shadowed)} files: {self.winner} is used, "
+            f"{others} ignored (the user preset directory comes first, then KVARN_PRESET_PATH, then the bundled "
+            "presets/); rename one, or pass the file path instead of the name"
+        )
+
+
+@dataclass(frozen=True)
+class _Scan:
+    found: dict[str, Preset]
+    broken: list[PresetProblem]
+    clashes: dict[str, PresetClash]
+
+
+def _scan(dirs: list[Path]) -> _Scan:
     found: dict[str, Preset] = {}
     broken: list[PresetProblem] = []
+    files: dict[str, list[Path]] = {}
     for d in dirs:
         if not d.is_dir():
             continue
@@ -105,8 +147,34 @@ def _scan(dirs: list[Path]) -> tuple[dict[str, Preset], list[PresetProblem]]:
             except PresetError as e:
                 broken.append(_problem(f, e))
                 continue
+            seen = files.setdefault(p.name, [])
+            if f.resolve() not in [s.resolve() for s in seen]:  # a folder listed twice is no clash
+                seen.append(f)
             found.setdefault(p.name, p)  # earlier directories win
-    return found, broken
+    clashes = {n: PresetClash(n, fs[0], tuple(fs[1:])) for n, fs in files.items() if len(fs) > 1 and n not in BUILTINS}
+    return _Scan(found, broken, clashes)
+
+
+def preset_clashes(dirs: list[Path] | None = None) -> list[PresetClash]:
+    """Every preset name that more than one file in the preset directories defines.
+
+    Built-in names are left out: a file may only spell a built-in's own scheme under its name (see
+    :func:`kvarn.schemes.presets.preset_from_dict`), and the built-in wins regardless.
+
+    Args:
+        dirs: directories to scan; default :func:`search_path`.
+    """
+    return sorted(_scan(search_path() if dirs is None else dirs).clashes.values(), key=lambda c: c.name)
+
+
+_WARNED: set[PresetClash] = set()
+
+
+def _warn_clash(clash: PresetClash) -> None:
+    """Log a clash once per process (vLLM looks a name up many times)."""
+    if clash not in _WARNED:
+        _WARNED.add(clash)
+        log.warning("kvarn: %s", clash)
 
 
 def preset_problems(dirs: list[Path] | None = None) -> list[PresetProblem]:
@@ -120,12 +188,13 @@ def preset_problems(dirs: list[Path] | None = None) -> list[PresetProblem]:
         >>> for problem in preset_problems():  # doctest: +SKIP
         ...     print("warning:", problem)
     """
-    return _scan(search_path() if dirs is None else dirs)[1]
+    return _scan(search_path() if dirs is None else dirs).broken
 
 
 def list_presets(dirs: list[Path] | None = None) -> list[Preset]:
-    """Every known preset: built-ins first, then user presets (by name) from ``dirs``."""
-    user, _ = _scan(search_path() if dirs is None else dirs)
+    """Every known preset: built-ins first, then user presets (by name) from ``dirs``; a name that
+    several files define appears once, from the file that wins (see :func:`preset_clashes`)."""
+    user = _scan(search_path() if dirs is None else dirs).found
     out = [Preset(name, s) for name, s in BUILTINS.items()]
     out += [p for name, p in sorted(user.items()) if name not in BUILTINS]
     return out
@@ -133,6 +202,9 @@ def list_presets(dirs: list[Path] | None = None) -> list[Preset]:
 
 def get_preset(name: str, dirs: list[Path] | None = None) -> Preset:
     """Find a preset by built-in name, file path, preset ``name:``, or canonical scheme name.
+
+    A name that several preset files define resolves to the first in ``dirs`` order and logs a
+    warning (once per process) naming every file and the one used.
 
     Raises:
         UnknownSchemeError: nothing by that name; lists the valid names and the closest match.
@@ -142,8 +214,11 @@ def get_preset(name: str, dirs: list[Path] | None = None) -> Preset:
         return Preset(name, BUILTINS[name])
     if name.endswith((".yaml", ".yml")) or os.sep in name:
         return load_preset(name)
-    user, broken = _scan(search_path() if dirs is None else dirs)
+    scan = _scan(search_path() if dirs is None else dirs)
+    user, broken = scan.found, scan.broken
     if name in user:
+        if name in scan.clashes:
+            _warn_clash(scan.clashes[name])
         return user[name]
     if name.startswith("kvarn_"):
         try:
