@@ -5,10 +5,13 @@ Steps (each a function ``(args) -> exit code``, run in order; later features app
 1. ``presets``  -- the scheme table at the model's head_dim (64 for SmolLM2-135M).
 2. ``accuracy`` -- ``kvarn eval`` in decode mode for fp16, the kvarn presets and the baselines.
 3. ``tune``     -- ``kvarn-tune`` at a 1% perplexity budget in a small, fast setting; writes a preset.
-4. ``serve``    -- vLLM (when installed) serves the model with the preset the tune step wrote; when
-   it wrote none (the fast setting's 512-token texts are usually too noisy for a 1% budget), with
-   the preset of the full 30-trial run committed in docs/tuned (docs/tuning.md), else
-   ``kvarn_k4v2_g128``; prints the KV capacity gained and a sample generation.
+4. ``serve``    -- vLLM (when installed) serves the model with the preset file the tune step wrote
+   (into the user preset directory); when it wrote none (the fast setting's 512-token texts are
+   usually too noisy for a 1% budget), with the preset of the full tuning run committed in
+   docs/tuned (docs/tuning.md), else ``kvarn_k4v2_g128``. A candidate whose name resolves to another
+   file (a name clash, see :func:`kvarn.schemes.preset_clashes`) is skipped, so what is served is
+   the file named. Prints the file, the KV capacity gained and a greedy sample whose 432-token
+   prompt reaches past the first tile.
 
 The default accuracy run is shortened (1024 tokens, 64 greedy tokens: minutes on 2 cores);
 ``--full`` is the measurement behind docs/accuracy.md (2048 tokens, 256 greedy tokens).
@@ -47,15 +50,17 @@ def step_accuracy(args: argparse.Namespace) -> int:
     return kvarn_main(argv)
 
 
-_TUNED: list[str] = []  # the preset the tune step wrote, for the serve step
+_TUNED: list[tuple[str, Path]] = []  # (name, file) of the preset the tune step wrote, for the serve step
 _SUMMARY: dict[str, str] = {}  # step -> one line for the final summary
 
 
 def step_tune(args: argparse.Namespace) -> int:
     """A fast ``kvarn-tune`` run at a 1% perplexity budget (its own errors are reported, not fatal)."""
     from kvarn.run_tune import tune_default
+    from kvarn.schemes import user_preset_dir
 
-    name = tune_default(args.model, "1%")
+    out = user_preset_dir()
+    name = tune_default(args.model, "1%", str(out))
     if name is None:
         print(
             "kvarn-tune wrote no preset in the fast setting (its short texts are too noisy for a 1% budget); "
@@ -63,15 +68,16 @@ def step_tune(args: argparse.Namespace) -> int:
         )
         _SUMMARY["tune"] = "no preset within +1% in the fast setting (expected; see docs/tuning.md)"
     else:
-        print(f"tuned preset: {name} (in the user preset directory; `kvarn presets` lists it)")
-        _TUNED.append(name)
+        print(f"tuned preset: {name} in {out / f'{name}.yaml'} (`kvarn presets` lists it)")
+        _TUNED.append((name, out / f"{name}.yaml"))
         _SUMMARY["tune"] = f"wrote {name}"
     return 0
 
 
-def _committed_preset(model: str) -> str | None:
-    """The name of the 1% preset of the full tuning run in docs/tuned for ``model``, made findable
-    by name (prepended to ``KVARN_PRESET_PATH``, inherited by vLLM's processes); None if absent."""
+def _committed_preset(model: str) -> tuple[str, Path] | None:
+    """(name, file) of the 1% preset of the full tuning run in docs/tuned for ``model``, made
+    findable by name (prepended to ``KVARN_PRESET_PATH``, inherited by vLLM's processes); None if
+    absent."""
     from kvarn.autotune.budget import parse_budget
     from kvarn.autotune.tuner import derived_name
     from kvarn.schemes.registry import PRESET_PATH_ENV
@@ -81,22 +87,40 @@ def _committed_preset(model: str) -> str | None:
     if not (folder / f"{name}.yaml").is_file():
         return None
     os.environ[PRESET_PATH_ENV] = os.pathsep.join(p for p in (str(folder), os.environ.get(PRESET_PATH_ENV)) if p)
-    return name
+    return name, folder / f"{name}.yaml"
+
+
+def _resolves_to(name: str, file: Path | None) -> str | None:
+    """Where preset ``name`` comes from (its file, or ``built-in``), or None when it resolves to
+    another file than ``file`` (a name clash; the registry has logged both files)."""
+    from kvarn.schemes import get_preset
+
+    source = get_preset(name).source
+    if file is not None and Path(source).resolve() != file.resolve():
+        print(f"not serving {name}: the name resolves to {source}, not to {file} (see the warning above)")
+        return None
+    return source
 
 
 def step_serve(args: argparse.Namespace) -> int:
-    """Serve through vLLM with a kvarn preset; prints capacity vs the 16-bit cache and a sample."""
+    """Serve through vLLM with a kvarn preset; prints its file, capacity vs the 16-bit cache and a sample."""
     from kvarn.run_vllm import main as vllm_main
 
-    candidates = [*_TUNED]
-    committed = _committed_preset(args.model)
-    if not candidates and committed is not None:
-        print(f"serving the preset of the full tuning run instead: {committed} (docs/tuning.md)")
-        candidates.append(committed)
-    candidates.append("kvarn_k4v2_g128")
-    for preset in candidates:
+    candidates: list[tuple[str, Path | None]] = [*_TUNED]
+    if not candidates:
+        committed = _committed_preset(args.model)
+        if committed is not None:
+            print(f"serving the preset of the full tuning run instead: {committed[0]} (docs/tuning.md)")
+            candidates.append(committed)
+    candidates.append(("kvarn_k4v2_g128", None))
+    for preset, file in candidates:
+        source = _resolves_to(preset, file)
+        if source is None:
+            continue
+        print(f"serving {preset} from {source}")
         try:
             if vllm_main(["--model", args.model, "--preset", preset], summary=_SUMMARY) == 0:
+                _SUMMARY["serve"] = f"{_SUMMARY.get('serve', preset)} from {source}"
                 return 0
         except Exception as e:  # a start-up refusal (e.g. a layout the backend does not serve) is reported
             print(f"vLLM could not serve {preset}: {e}")

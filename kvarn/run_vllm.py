@@ -2,7 +2,8 @@
 
 Prints the KV tokens vLLM allocated for the KV memory, the tokens the default 16-bit cache gets
 from the same memory (vLLM's page formula: 2 x KV heads x head_dim x dtype bytes per token and
-layer, whole 128-token blocks), the ratio, and a sample greedy generation.
+layer, whole 128-token blocks), the ratio, and a sample greedy generation whose prompt reaches past
+the first tile, so decoding reads quantized tiles.
 
 Usage (vLLM's CPU engine spawns processes, hence the ``__main__`` guard)::
 
@@ -15,8 +16,16 @@ import argparse
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import resources
 
-PROMPT = "The GNU General Public License is a free, copyleft license for"
+SAMPLE_CHARS = 1800  # the sample prompt: the GPL-3 text up to the first paragraph break after this
+
+
+def sample_prompt() -> str:
+    """The bundled GPL-3 text up to its first paragraph break after :data:`SAMPLE_CHARS` characters:
+    432 SmolLM2 tokens, past the first tile of every group size (at most 256 tokens)."""
+    text = resources.files("kvarn").joinpath("data", "gpl-3.txt").read_text(encoding="utf-8")
+    return text[: text.index("\n\n", SAMPLE_CHARS)]
 
 
 @dataclass(frozen=True)
@@ -27,7 +36,9 @@ class ServeReport:
     kv_bytes: int
     kv_tokens: int  # vLLM's own figure for the kvarn cache
     default_tokens: int  # the 16-bit cache in the same bytes, by vLLM's page formula
-    sample: str
+    prompt: str  # the sample's prompt
+    prompt_tokens: int
+    sample: str  # the greedy continuation of the prompt
 
     @property
     def ratio(self) -> float:
@@ -52,9 +63,11 @@ def serve_and_report(model: str, preset: str, kv_gib: int, max_tokens: int = 48)
         per_token = 2 * mc.get_num_kv_heads(cfg.parallel_config) * mc.get_head_size() * mc.dtype.itemsize
         per_block = per_token * mc.get_num_layers(cfg.parallel_config) * scheme.group_size
         kv_bytes = kv_gib * 2**30
-        out = llm.generate([PROMPT], SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
-        sample = PROMPT + out[0].outputs[0].text
-    return ServeReport(preset, kv_bytes, tokens, kv_bytes // per_block * scheme.group_size, sample)
+        prompt = sample_prompt()
+        out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
+    default_tokens = kv_bytes // per_block * scheme.group_size
+    n_prompt = len(out[0].prompt_token_ids or ())
+    return ServeReport(preset, kv_bytes, tokens, default_tokens, prompt, n_prompt, out[0].outputs[0].text)
 
 
 def main(argv: Sequence[str] | None = None, summary: dict[str, str] | None = None) -> int:
@@ -75,7 +88,8 @@ def main(argv: Sequence[str] | None = None, summary: dict[str, str] | None = Non
     print(f"KV tokens (vLLM, {r.preset}): {r.kv_tokens:,}")
     print(f"KV tokens (16-bit default, same memory): {r.default_tokens:,}")
     print(f"capacity gained: {r.ratio:.2f}x")
-    print(f"sample: {r.sample!r}")
+    print(f"sample: {r.prompt_tokens}-token prompt (the GPL-3 text) ending {r.prompt[-40:]!r}")
+    print(f"  greedy continuation: {r.sample[:160]!r}")
     if summary is not None:
         summary["serve"] = f"{r.preset}: {r.kv_tokens:,} KV tokens vs {r.default_tokens:,} 16-bit ({r.ratio:.2f}x)"
     return 0
