@@ -24,15 +24,34 @@ from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
 DEFAULT_CONTEXT = 8192  # tokens per sequence the per-sequence sink cost is spread over in `kvarn presets`
 
 
-def preset_rows(head_dim: int, context: int = DEFAULT_CONTEXT) -> list[dict[str, Any]]:
+def preset_rows(head_dim: int, context: int = DEFAULT_CONTEXT, num_layers: int | None = None) -> list[dict[str, Any]]:
     """One row per known preset at ``head_dim``: bits, group size, bits/element, compression.
 
     ``bits_per_element``/``compression`` are the packed tiles' alone; the ``*_at_context`` figures
-    add the exact sink tokens or sink tile of one sequence of ``context`` tokens.
+    add the exact sink tokens or sink tile of one sequence of ``context`` tokens. For a preset with
+    per-layer overrides they are the mean over the model's layers (:meth:`Scheme.bits_per_element`,
+    as ``kvarn-tune`` computes them), over ``num_layers`` layers or else the count its tuning run
+    recorded (:attr:`Preset.num_layers`); ``layers`` then lists every layer's bits. Without a layer
+    count (``num_layers`` None in the row) the figures are the base layout's.
     """
     rows = []
     for p in list_presets():
         s = p.scheme
+        n = (num_layers or p.num_layers) if s.overrides else None
+        per_layer = None
+        if n is not None:
+            bits, at_context = s.layer_bits(head_dim, n), s.layer_bits(head_dim, n, context)
+            per_layer = [
+                {
+                    "layer": i,
+                    "key_bits": None if ls is None else ls.key_bits,
+                    "value_bits": None if ls is None else ls.value_bits,
+                    "unquantized": ls is None,
+                    "bits_per_element": bits[i],
+                    "bits_per_element_at_context": at_context[i],
+                }
+                for i, ls in ((i, s.for_layer(i)) for i in range(n))
+            ]
         rows.append(
             {
                 "name": p.name,
@@ -47,11 +66,17 @@ def preset_rows(head_dim: int, context: int = DEFAULT_CONTEXT) -> list[dict[str,
                 "sink_tokens": s.sink_tokens,
                 "head_dim": head_dim,
                 "tile_bytes": s.tile_bytes(head_dim),
-                "bits_per_element": s.bits_per_element(head_dim),
-                "compression": s.compression(head_dim),
+                "overrides": [
+                    {"first": o.first, "last": o.last, "key_bits": o.key_bits, "value_bits": o.value_bits}
+                    for o in s.overrides
+                ],
+                "num_layers": n,
+                "bits_per_element": s.bits_per_element(head_dim, n),
+                "compression": s.compression(head_dim, n),
                 "context": context,
-                "bits_per_element_at_context": s.bits_per_element(head_dim, context=context),
-                "compression_at_context": s.compression(head_dim, context=context),
+                "bits_per_element_at_context": s.bits_per_element(head_dim, n, context),
+                "compression_at_context": s.compression(head_dim, n, context),
+                "layers": per_layer,
                 "source": p.source,
             }
         )
@@ -73,7 +98,9 @@ def _warn_bad_files() -> int:
 def _cmd_presets(args: argparse.Namespace) -> int:
     if args.context < 1:
         raise ValueError(f"--context {args.context} must be >= 1 token")
-    rows = preset_rows(args.head_dim, args.context)
+    if args.num_layers is not None and args.num_layers < 1:
+        raise ValueError(f"--num-layers {args.num_layers} must be >= 1")
+    rows = preset_rows(args.head_dim, args.context, args.num_layers)
     bad = _warn_bad_files()
     status = 1 if bad and args.strict else 0
     if args.json:
@@ -81,20 +108,23 @@ def _cmd_presets(args: argparse.Namespace) -> int:
         return status
     sink = {True: "tile"}
     print(
-        f"{'name':<28} {'K':>2} {'V':>2} {'group':>5} {'sink':>4} {'bits/elem':>9} {'vs fp16':>8} "
+        f"{'name':<28} {'K':>2} {'V':>2} {'group':>5} {'sink':>4} {'layers':>6} {'bits/elem':>9} {'vs fp16':>8} "
         f"{'@' + str(args.context):>9} {'vs fp16':>8}  source"
     )
     for r in rows:
+        layers = "-" if not r["overrides"] else "?" if r["num_layers"] is None else str(r["num_layers"])
         print(
             f"{r['name']:<28} {r['key_bits']:>2} {r['value_bits']:>2} {r['group_size']:>5} "
-            f"{sink.get(r['sink_tile'], str(r['sink_tokens'])):>4} {r['bits_per_element']:>9.4f} "
+            f"{sink.get(r['sink_tile'], str(r['sink_tokens'])):>4} {layers:>6} {r['bits_per_element']:>9.4f} "
             f"{r['compression']:>7.2f}x {r['bits_per_element_at_context']:>9.4f} {r['compression_at_context']:>7.2f}x  "
             f"{r['source']}"
         )
     print(
         f"(head_dim {args.head_dim}; bits/element counts every scale, zero point and factor; sink: exact first "
         f"tokens per sequence (tile: the first tile), counted in the @{args.context} columns over a sequence of "
-        f"{args.context} tokens)"
+        f"{args.context} tokens; layers: a preset with per-layer overrides is averaged over that many layers, "
+        "as kvarn-tune does ('?': no layer count recorded, the base layers' figures; pass --num-layers); "
+        "--json lists every layer)"
     )
     if bad:
         print(f"kvarn: {bad} preset file problem(s): see the warnings above", file=sys.stderr)
@@ -112,7 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_CONTEXT,
         help=f"tokens per sequence the exact sink tokens are spread over (default {DEFAULT_CONTEXT})",
     )
-    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        help="layers to average presets with per-layer overrides over (default: the count their tuning run recorded)",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON list (with per-layer bits) instead of a table")
     p.add_argument(
         "--strict",
         action="store_true",

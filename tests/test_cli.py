@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 from kvarn.cli import main
 
@@ -73,3 +75,48 @@ def test_presets_warns_for_a_name_clash_and_strict_fails(tmp_path, monkeypatch, 
     err = capsys.readouterr().err
     assert f"{tmp_path / 'a' / 'twice.yaml'} is used" in err and f"{tmp_path / 'b' / 'twice.yaml'} ignored" in err
     assert main(["presets", "--json", "--strict"]) == 1
+
+
+def test_presets_json_averages_per_layer_presets_as_the_tuner_did(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """docs/tuned's preset: the tuner's own figure (provenance, at its 2048 tokens) and every layer."""
+    tuned = Path(__file__).resolve().parents[1] / "docs" / "tuned"
+    monkeypatch.setenv("KVARN_PRESET_PATH", str(tuned))
+    assert main(["presets", "--json", "--head-dim", "64", "--context", "2048"]) == 0
+    row = {r["name"]: r for r in json.loads(capsys.readouterr().out)}["kvarn_smollm2_135m_1pct"]
+    provenance = yaml.safe_load((tuned / "kvarn_smollm2_135m_1pct.yaml").read_text())["provenance"]
+    assert row["num_layers"] == provenance["num_layers"] == 30
+    assert row["bits_per_element_at_context"] == pytest.approx(provenance["bits_per_element"], abs=1e-6)
+    layers = row["layers"]
+    assert [x["layer"] for x in layers] == list(range(30))
+    assert [(x["key_bits"], x["value_bits"]) for x in layers[:2]] == [(2, 2), (4, 2)]  # L0k2v2, then the base
+    assert [(x["key_bits"], x["value_bits"]) for x in layers[17:19]] == [(4, 3), (4, 3)]  # L17-18k4v3
+    mean = sum(x["bits_per_element"] for x in layers) / 30
+    assert row["bits_per_element"] == pytest.approx(mean) and row["bits_per_element"] < 3.2  # base layers: 3.23
+    assert row["overrides"][0] == {"first": 0, "last": 0, "key_bits": 2, "value_bits": 2}
+
+
+def test_presets_without_a_layer_count_say_so_and_take_num_layers(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "hand.yaml").write_text(
+        "version: 2\nname: hand\nkey_bits: 4\nvalue_bits: 2\ngroup_size: 128\nrotation: hadamard\n"
+        "norm_iters: 8\nscale_dtype: fp16\nsink_tile: false\nlayers:\n  - {layers: 3, unquantized: true}\n"
+    )
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("KVARN_PRESET_PATH", str(tmp_path))
+    assert main(["presets", "--json", "--head-dim", "128"]) == 0
+    row = {r["name"]: r for r in json.loads(capsys.readouterr().out)}["hand"]
+    assert row["num_layers"] is None and row["layers"] is None and row["bits_per_element"] == pytest.approx(3.375)
+    assert main(["presets", "--json", "--head-dim", "128", "--num-layers", "4"]) == 0
+    row = {r["name"]: r for r in json.loads(capsys.readouterr().out)}["hand"]
+    assert row["bits_per_element"] == pytest.approx((3 * 3.375 + 16) / 4)
+    assert row["layers"][3] == {
+        "layer": 3,
+        "key_bits": None,
+        "value_bits": None,
+        "unquantized": True,
+        "bits_per_element": 16.0,
+        "bits_per_element_at_context": 16.0,
+    }
+    assert main(["presets", "--head-dim", "128"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("hand ")]
+    assert line.split()[5:7] == ["?", "3.3750"]
+    assert main(["presets", "--num-layers", "0"]) == 2

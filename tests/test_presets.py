@@ -197,3 +197,13 @@ def test_one_folder_listed_twice_is_no_clash(tmp_path: Path) -> None:
     (tmp_path / "y.yaml").write_text(GOOD)  # two files in one folder do clash
     (clash,) = preset_clashes([tmp_path, tmp_path])
     assert (clash.winner.name, [f.name for f in clash.shadowed]) == ("x.yaml", ["y.yaml"])
+
+
+def test_num_layers_comes_from_the_tuning_provenance(tmp_path: Path) -> None:
+    assert Preset("p", Scheme(), provenance={"num_layers": 30}).num_layers == 30
+    for bad in ({}, {"num_layers": "30"}, {"num_layers": 0}, {"num_layers": True}):
+        assert Preset("p", Scheme(), provenance=bad).num_layers is None
+    assert (
+        load_preset(Path(__file__).resolve().parents[1] / "docs" / "tuned" / "kvarn_smollm2_135m_1pct.yaml").num_layers
+        == 30
+    )

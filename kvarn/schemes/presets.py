@@ -67,6 +67,13 @@ class Preset:
     provenance: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     kernel_config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
+    @property
+    def num_layers(self) -> int | None:
+        """The model's layer count its tuning run recorded (``provenance.num_layers``), else None.
+        What :meth:`Scheme.bits_per_element` needs to weigh per-layer overrides."""
+        n = self.provenance.get("num_layers")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
 
 def _fail(path: str, msg: str) -> PresetError:
     return PresetError(f"{path}: {msg}")

@@ -257,30 +257,46 @@ class Scheme:
     ) -> float:
         """Stored bits per cached number (keys and values), every scale and zero point included.
 
-        With per-layer overrides the figure depends on the layer count: pass ``num_layers``
-        (unquantized layers count ``unquantized_bits``, 16 by default; a server keeping them in a
-        float32 cache stores 32). Without it, the overrides are ignored.
+        With per-layer overrides the figure depends on the layer count: pass ``num_layers`` for
+        the mean of :meth:`layer_bits` over the layers (unquantized layers count
+        ``unquantized_bits``, 16 by default; a server keeping them in a float32 cache stores 32).
+        Without it, the overrides are ignored.
 
         ``context``: spread the per-sequence sink cost over a sequence of this many tokens (the
         sink tile's 16-bit tokens instead of packed ones, or the exact sink-token copies). Without
         it the sink is not counted: the figure is the packed tiles' alone.
         """
+        if num_layers is None or not self.overrides:
+            return self._tile_bits(head_dim, context)
+        per_layer = self.layer_bits(head_dim, num_layers, context, unquantized_bits)
+        return sum(per_layer) / num_layers
+
+    def layer_bits(
+        self, head_dim: int, num_layers: int, context: int | None = None, unquantized_bits: float = 16.0
+    ) -> list[float]:
+        """Bits per element of each of ``num_layers`` layers (index = layer), overrides applied:
+        :meth:`for_layer`'s scheme, or ``unquantized_bits`` for an unquantized layer. ``context``
+        as in :meth:`bits_per_element`."""
+        if num_layers < 1:
+            raise SchemeError(f"num_layers={num_layers} must be >= 1")
+        out = []
+        for layer in range(num_layers):
+            s = self.for_layer(layer)
+            out.append(unquantized_bits if s is None else s._tile_bits(head_dim, context))
+        return out
+
+    def _tile_bits(self, head_dim: int, context: int | None) -> float:
+        """Bits per element of this scheme's own layout (overrides ignored); see :meth:`bits_per_element`."""
         if context is not None and context < 1:
             raise SchemeError(f"context={context} must be >= 1 token")
-        per_layer = 8.0 * self.tile_bytes(head_dim) / (2 * self.group_size * head_dim)
+        bits = 8.0 * self.tile_bytes(head_dim) / (2 * self.group_size * head_dim)
         if context is not None:
             if self.sink_tile:
                 sink = min(self.group_size, context)
-                per_layer = (16.0 * sink + per_layer * (context - sink)) / context
+                bits = (16.0 * sink + bits * (context - sink)) / context
             else:
-                per_layer += 16.0 * min(self.sink_tokens, context) / context
-        if num_layers is None or not self.overrides:
-            return per_layer
-        total = 0.0
-        for layer in range(num_layers):
-            s = self.for_layer(layer)
-            total += unquantized_bits if s is None else s.bits_per_element(head_dim, context=context)
-        return total / num_layers
+                bits += 16.0 * min(self.sink_tokens, context) / context
+        return bits
 
     def compression(self, head_dim: int, num_layers: int | None = None, context: int | None = None) -> float:
         """How many times smaller than a 16-bit cache."""
