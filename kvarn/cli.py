@@ -24,6 +24,28 @@ from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
 DEFAULT_CONTEXT = 8192  # tokens per sequence the per-sequence sink cost is spread over in `kvarn presets`
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless its text gives the default already, or
+    there is none to give (no default, an off switch, an empty string)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if any(default is x for x in (None, False, argparse.SUPPRESS)) or default == "" or not action.option_strings:
+            return text
+        if "(default" in text or text.startswith("default"):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """``kvarn``'s parsers and subcommand parsers: defaults shown in ``--help``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def preset_rows(head_dim: int, context: int = DEFAULT_CONTEXT, num_layers: int | None = None) -> list[dict[str, Any]]:
     """One row per known preset at ``head_dim``: bits, group size, bits/element, compression.
 
@@ -132,8 +154,8 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvarn", description="KV-cache quantization into packed low-bit tiles.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="kvarn", description="KV-cache quantization into packed low-bit tiles.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("presets", help="list every known scheme with its size at a head_dim")
     p.add_argument("--head-dim", type=int, default=128, choices=ALLOWED_HEAD_DIMS, help="head dimension (default 128)")
     p.add_argument(

@@ -120,3 +120,11 @@ def test_presets_without_a_layer_count_say_so_and_take_num_layers(tmp_path, monk
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("hand ")]
     assert line.split()[5:7] == ["?", "3.3750"]
     assert main(["presets", "--num-layers", "0"]) == 2
+
+
+def test_subcommand_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("kvarn.eval.cli")
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "greedy continuation (0: none) (default: 256)" in text and "(default: None)" not in text

@@ -5,13 +5,15 @@ Example::
     kvarn-tune --model smollm2-135m --budget 1% --trials 30 --storage sqlite:///study.db
 
 Exit codes: 0 a preset was written; 1 bad arguments; 2 the budget is unreachable in the trials run
-(the closest trade-off is printed); 3 no calibration winner held on held-out text; 130 interrupted.
+(the closest trade-off is printed); 3 no calibration winner held on held-out text; 130 interrupted
+(Ctrl-C: one line with how to resume).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +22,11 @@ from typing import Any
 from kvarn.autotune.budget import BudgetError, parse_budget
 from kvarn.autotune.report import check_writable, plot_front, summary_table, to_json, write_presets
 from kvarn.autotune.space import SINK_CHOICES, SINKS
-from kvarn.autotune.tuner import SPLITS, TuneConfig, derived_name, model_dims, tune
+from kvarn.autotune.tuner import SPLITS, TuneConfig, derived_name, model_dims, resume_hint, tune
+from kvarn.cli import DefaultsHelpFormatter
+
+MAX_PPL_BUDGET = 100.0  # percent: a perplexity budget is an increase of at most double
+_NEGATIVE_BUDGET_RE = re.compile(r"\s*(?:(?:ppl|kl|greedy)\s*=\s*)?-", re.IGNORECASE)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,9 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvarn-tune",
         description="Search kvarn schemes (bits, tiles, scales, per-layer precision) for the fewest bits per element "
         "within an accuracy budget, confirm the winner on held-out text, and write it as a preset.",
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("--model", default="smollm2-135m", help="model alias or local Hugging Face folder")
-    p.add_argument("--budget", required=True, help="'1%%' (perplexity increase), 'kl=0.01', or 'greedy=200'")
+    p.add_argument(
+        "--budget",
+        required=True,
+        help="'1%%' or 'ppl=1%%' (perplexity increase in percent, above 0 and at most 100), 'kl=0.01' (mean KL "
+        "divergence in nats, above 0) or 'greedy=200' (greedy tokens that agree with the 16-bit cache, a whole "
+        "number above 0)",
+    )
     p.add_argument("--text", type=Path, help="calibration text file (default: the bundled GPL-3 + Apache-2.0 text)")
     p.add_argument(
         "--tokens",
@@ -62,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sinks",
         default=",".join(SINKS),
         help="sink choices to search, comma list: 0 (none), 1, 2, 4, 8 (first tokens also kept exactly), "
-        f"tile (first tile unquantized; not served by the vLLM backend). Default {','.join(SINKS)}",
+        "tile (first tile unquantized)",
     )
     p.add_argument("--no-sink", action="store_true", help="search no sink at all (same as --sinks 0)")
     p.add_argument(
@@ -74,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--allow-fp16-layers",
         action="store_true",
-        help="let the most sensitive layers stay unquantized (the vLLM backend cannot serve such presets; "
-        "by default the top rung is k8v8)",
+        help="let the most sensitive layers stay unquantized (vLLM serves them in its own 16-bit cache, except in "
+        "models with sliding-window layers); without it the top rung is k8v8, near-lossless at half the bytes",
     )
     p.add_argument("--no-per-layer", action="store_true", help="one precision for every layer")
     p.add_argument("--max-protect", type=int, default=4, help="most sensitive layers that may get more bits")
@@ -112,10 +125,17 @@ def _fail(msg: str) -> int:
 
 
 def _config(args: argparse.Namespace) -> TuneConfig | str:
+    if _NEGATIVE_BUDGET_RE.match(args.budget):
+        return f"--budget {args.budget!r}: a budget must be positive (above 0)"
     try:
         budget = parse_budget(args.budget)
     except BudgetError as e:
         return str(e)
+    if budget.metric == "ppl" and budget.limit > MAX_PPL_BUDGET:
+        return (
+            f"--budget {args.budget!r}: a perplexity budget is an increase in percent above 0% and at most "
+            f"{MAX_PPL_BUDGET:g}%"
+        )
     if args.trials < 1:
         return f"--trials {args.trials} must be >= 1"
     if args.tokens < 64:
@@ -194,8 +214,34 @@ def _progress_bar(total: int, quiet: bool) -> tuple[Any, Any]:
     return bar, on_trial
 
 
+_NEGATIVE_RE = re.compile(r"-[0-9.]")
+
+
+def _budget_value_joined(argv: Sequence[str]) -> list[str]:
+    """``--budget -1%`` as ``--budget=-1%``: argparse takes a value starting with '-' for an option
+    ("expected one argument"); joined, it reaches the budget check and its message."""
+    out = list(argv)
+    for i in range(len(out) - 1):
+        if out[i] == "--budget" and _NEGATIVE_RE.match(out[i + 1]):
+            out[i : i + 2] = [f"--budget={out[i + 1]}"]
+            break
+    return out
+
+
+def _interrupted(storage: str | None) -> int:
+    print(f"kvarn-tune: interrupted; {resume_hint(storage)}", file=sys.stderr)
+    return 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_budget_value_joined(sys.argv[1:] if argv is None else argv))
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # outside the study (sensitivity pass, held-out checks): nothing half-written
+        return _interrupted(args.storage)
+
+
+def _run(args: argparse.Namespace) -> int:
     config = _config(args)
     if isinstance(config, str):
         return _fail(config)
@@ -225,6 +271,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot = None
     if res.trials and (args.plot or written):  # no preset written: nothing left in the preset folder
         plot = plot_front(res, args.plot or out_dir / f"{name}.png")
+    if res.interrupted:
+        if args.json:
+            print(json.dumps(to_json(res, written, plot), indent=2, default=str))
+        print(f"kvarn-tune: {res.message}", file=sys.stderr)
+        return res.exit_code
     human = sys.stderr if args.json else sys.stdout  # --json: stdout is JSON only
     print(summary_table(res), file=human)
     for p in written:

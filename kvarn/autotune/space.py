@@ -10,8 +10,9 @@ Parameters of one trial:
   exactly: ``Scheme.sink_tokens``) or ``"tile"`` (the first tile unquantized: ``Scheme.sink_tile``);
 * ``n_protect`` / ``protect_up`` -- the ``n_protect`` most sensitive layers get the bit pair
   ``protect_up`` rungs above the base on the ladder ``k2v2 < k3v2 < ... < k8v8`` (``< fp16``
-  with ``allow_fp16_layers``: the vLLM backend cannot serve unquantized layers, so it is off by
-  default; ``k8v8`` is near-lossless at half the bytes);
+  with ``allow_fp16_layers``; off by default because ``k8v8`` is near-lossless at half the bytes;
+  the vLLM backend serves unquantized layers in vLLM's own 16-bit cache, except in models with
+  sliding-window layers);
 * ``n_demote`` / ``demote_down`` -- the ``n_demote`` least sensitive layers get the pair
   ``demote_down`` rungs below the base (clipped at the bottom rung).
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -45,6 +46,31 @@ from kvarn.schemes import Scheme
 
 EvaluatorFactory = Callable[[str], EvaluatorLike]
 MAX_FREE_PER_TRIAL = 20  # unmeasured (skipped) trials allowed per evaluated one before the study stops
+_OPTUNA_TRIAL_LOG = "optuna.study._optimize"  # the logger that reports a failed trial
+
+
+def resume_hint(storage: str | None) -> str:
+    """How to pick up an interrupted run: the same command with the same ``--storage``, or, when
+    the study was kept in memory, the flag that makes the next run resumable."""
+    if storage:
+        return f"rerun with the same --storage ({storage}) to resume"
+    return "nothing to resume (no --storage); pass --storage sqlite:///kvarn-tune.db to make a run resumable"
+
+
+class _DropInterruptedTrial(logging.Filter):
+    """Drops Optuna's report of the trial Ctrl-C stopped (a traceback and a value line): the
+    interrupt is the user's, reported once by the caller with :func:`resume_hint`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info
+        if exc and exc[0] is not None and issubclass(exc[0], KeyboardInterrupt):
+            self.dropped = True
+            return False
+        return not (self.dropped and record.getMessage().endswith("failed with value None."))
 
 
 @dataclass
@@ -68,7 +94,7 @@ class TuneConfig:
     pareto: bool = False
     allow_kv_inversion: bool = False
     sinks: tuple[str, ...] = SINKS  # sink choices (see space.py); ("0",): none
-    allow_fp16_layers: bool = False  # let tiers keep layers unquantized (the vLLM backend cannot serve them)
+    allow_fp16_layers: bool = False  # let tiers keep layers unquantized (see space.py for why it is off)
     context: int | None = None  # tokens a sequence's sink cost is spread over; None: ``tokens``
     per_layer: bool = True
     max_protect: int = 4
@@ -422,6 +448,8 @@ def tune(
 
     interrupted = False
     if evaluated < config.trials:
+        quiet = _DropInterruptedTrial()
+        logging.getLogger(_OPTUNA_TRIAL_LOG).addFilter(quiet)
         try:
             study.optimize(
                 objective,
@@ -434,6 +462,8 @@ def tune(
             )
         except KeyboardInterrupt:
             interrupted = True
+        finally:
+            logging.getLogger(_OPTUNA_TRIAL_LOG).removeFilter(quiet)
     trials = study.get_trials(deepcopy=False)
     res = _finish(
         config, study_name, trials, space, sens, factory, held_text, sha, head_dim, num_layers, t0, interrupted
@@ -526,7 +556,7 @@ def _finish(
     n_done = sum(bool(t.user_attrs.get("evaluated")) for t in trials)
     if interrupted:
         res.closest = _candidate(best, budget) if best else _closest(trials, budget)
-        res.message = f"interrupted after {n_done} finished trials; rerun with the same --storage to resume"
+        res.message = f"interrupted after {n_done} finished trials; {resume_hint(config.storage)}"
         res.exit_code = 130
         res.seconds = time.perf_counter() - t0
         return res

@@ -27,6 +27,15 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeFactory:
     [
         (["--budget", "0%"], "must be positive"),
         (["--budget", "lots"], "not understood"),
+        (["--budget", "-1%"], "--budget '-1%': a budget must be positive"),  # not read as an option
+        (["--budget=-1%"], "--budget '-1%': a budget must be positive"),
+        (["--budget", "-.5%"], "must be positive"),
+        (["--budget", "kl=-0.01"], "must be positive"),
+        (
+            ["--budget", "150%"],
+            "--budget '150%': a perplexity budget is an increase in percent above 0% and at most 100%",
+        ),
+        (["--budget", "ppl=100.5%"], "at most 100%"),
         (["--budget", "1%", "--trials", "0"], "--trials 0"),
         (["--budget", "1%", "--holdout", "1.5"], "--holdout"),
         (["--budget", "1%", "--group-sizes", "48"], "allowed 32, 64, 128, 256"),
@@ -125,3 +134,60 @@ def test_intervals_in_table_and_provenance(
     assert prov["feasibility"] == "bound" and lo < prov["calibration"]["delta_ppl_pct"] < hi <= 1.0
     assert prov["heldout_interval"][0] < prov["heldout"]["delta_ppl_pct"] < prov["heldout_interval"][1]
     assert f"[{lo:.3g}, {hi:.3g}]" in out
+
+
+@pytest.mark.parametrize(
+    ("budget", "metric", "limit"),
+    [
+        ("1%", "ppl", 1.0),
+        ("ppl=1%", "ppl", 1.0),
+        ("100%", "ppl", 100.0),
+        ("kl=0.01", "kl", 0.01),
+        ("greedy=200", "greedy", 200.0),
+    ],
+)
+def test_documented_budget_forms_are_accepted(budget: str, metric: str, limit: float) -> None:
+    config = cli._config(cli.build_parser().parse_args(["--budget", budget]))
+    assert isinstance(config, tuner.TuneConfig)
+    assert (config.budget.metric, config.budget.limit) == (metric, limit)
+
+
+def test_help_shows_defaults_and_says_vllm_serves_fp16_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "trials in the study, resumed ones included (default: 30)" in text
+    assert "(default: 0,1,2,4,tile)" in text and "(default: 256)" in text and "(default: smollm2-135m)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "vLLM serves them in its own 16-bit cache" in text
+    assert "cannot serve" not in text and "not served" not in text
+
+
+def test_ctrl_c_in_the_study_prints_one_line_with_the_resume_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cli, "model_dims", lambda model: (NUM_LAYERS, HEAD_DIM))
+    monkeypatch.setattr(tuner, "harness_factory", lambda config: FakeFactory(interrupt_after=5))
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    assert cli.main(_run(tmp_path, "--storage", storage, "--sensitivity-tokens", "0")) == 130
+    out, err = capfd.readouterr()
+    assert out == "" and "Traceback" not in err and "KeyboardInterrupt" not in err
+    (line,) = [x for x in err.splitlines() if x.strip()]
+    assert line.startswith("kvarn-tune: interrupted after ") and f"rerun with the same --storage ({storage})" in line
+
+
+def test_ctrl_c_outside_the_study_prints_one_line(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "model_dims", lambda model: (NUM_LAYERS, HEAD_DIM))
+    monkeypatch.setattr(cli, "tune", interrupted)
+    assert cli.main(["--budget", "1%", "--quiet"]) == 130
+    out, err = capfd.readouterr()
+    assert out == "" and err == (
+        "kvarn-tune: interrupted; nothing to resume (no --storage); pass --storage sqlite:///kvarn-tune.db "
+        "to make a run resumable\n"
+    )
