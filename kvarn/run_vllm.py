@@ -55,7 +55,7 @@ def serve_and_report(model: str, preset: str, kv_gib: int, max_tokens: int = 48)
 
     scheme = get_preset(preset).scheme
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
-    path = str(resolve_model(model))
+    path = str(resolve_model(model, dtype="bfloat16"))  # an alias: its bfloat16 copy, no per-weight cast warnings
     with cpu_engine(path, preset, block_size=scheme.group_size, max_model_len=1024, max_num_seqs=4) as llm:
         cfg = llm.llm_engine.vllm_config
         tokens = kv_tokens(llm)
