@@ -17,17 +17,22 @@ All tensors are unrotated; rotation happens inside. Full tiles are quantized int
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvarn.kernels import cpu_native, cpu_torch
 from kvarn.kernels._checks import FLOAT_DTYPES, KernelArgumentError, check_tensor
-from kvarn.kernels.cpu_args import CPU, check_indices, check_paged
+from kvarn.kernels.cpu_args import CPU, Paged, check_indices, check_paged
 from kvarn.kernels.cpu_store import quantize_tiles_cpu, store_tiles
 from kvarn.schemes.scheme import Scheme
 
 __all__ = ["decode_attention", "prefill_attention", "quantize_tiles_cpu", "store_tiles"]
 
 IMPLS = ("auto", "native", "torch")
+# Segments of at most this many new tokens (speculative verification, the ends of chunks) are attended
+# token by token by the decode kernel, so that they get the bits decoding them would give.
+SHORT_SEGMENT = 16
 
 
 def decode_attention(
@@ -169,9 +174,80 @@ def prefill_attention(
         (tail_k, tail_v, tail_lens, tail_slot), (sink_k, sink_v, sink_lens, sink_slot), sm_scale,
     )  # fmt: skip
     out = _output(out, query, (total, hq, d))
-    if bsz and total:
+    if not (bsz and total):
+        return out
+    q_lens = cu_seqlens_q.diff()
+    short = (q_lens > 0) & (q_lens <= SHORT_SEGMENT)
+    decoded = _short_segments(p, query, key, value, cu_seqlens_q, block_table, num_tiles, short)
+    if decoded is None or not bool(short.all()):
         out.copy_(cpu_torch.prefill(p, query, key, value, cu_seqlens_q, block_table, num_tiles))
+    if decoded is not None:
+        out[decoded[0]] = decoded[1].to(out.dtype)
     return out
+
+
+def _short_segments(
+    p: Paged,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_table: torch.Tensor,
+    num_tiles: torch.Tensor,
+    short: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The tokens of the ``short`` segments ``[B]`` bool, each as the decode row it would be alone:
+    ``(token indices [N] int64, their outputs [N, Hq, D] in the query's dtype)``.
+
+    Token ``i`` of segment ``b`` reads the segment's tiles and a tail of its ``tail_lens[b]`` staged
+    rows followed by the segment's own new rows ``0..i``, laid out in a workspace slot as the staging
+    slot holds them in a decode step; the native decode kernel then gives it the bits a decode step
+    gives (a speculative verification, or a short chunk, matches decoding token by token). Without the
+    native kernel, or with rows of another dtype than the query's (or no short segment): None, and the
+    prefill path attends them.
+    """
+    seg = short.nonzero().flatten()  # [S] segment ids
+    if not seg.numel():
+        return None
+    cu = cu_seqlens_q.long()
+    lens = (cu[1:] - cu[:-1])[seg]
+    tok_seg = torch.repeat_interleave(torch.arange(seg.shape[0]), lens)  # [N] workspace slot per token
+    tok = _segment_tokens(cu, seg, lens)
+    i = tok - cu[seg][tok_seg]  # index of each token inside its segment
+    b = seg[tok_seg]
+    staged = p.tail_lens.long()[seg]
+    slots = p.tail_slot.long()[seg] if p.tail_slot is not None else seg
+    work_k = p.tail_k.index_select(0, slots)  # [S, H, T, D]: the staged rows, then this step's rows
+    work_v = p.tail_v.index_select(0, slots)
+    rows = staged[tok_seg] + i
+    work_k[tok_seg, :, rows] = key[tok].to(work_k.dtype)
+    work_v[tok_seg, :, rows] = value[tok].to(work_v.dtype)
+    sink_slot = None
+    if p.sink_k is not None:
+        sink_slot = (p.sink_slot[b] if p.sink_slot is not None else b).to(torch.int32)
+    rows_p = replace(
+        p,
+        tail_k=work_k,
+        tail_v=work_v,
+        tail_lens=(rows + 1).to(torch.int32),
+        tail_slot=tok_seg.to(torch.int32),
+        sink_lens=p.sink_lens[b].contiguous() if p.sink_lens is not None else None,
+        sink_slot=sink_slot,
+    )
+    q = query[tok]
+    bt = block_table[b].contiguous()
+    prep = cpu_native.prepare(rows_p, q, bt, num_tiles[b].contiguous())
+    if prep is None:
+        return None
+    dst = torch.empty_like(q)
+    cpu_native.run(prep, q, dst)
+    return tok, dst
+
+
+def _segment_tokens(cu: torch.Tensor, seg: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Query token indices of segments ``seg`` (``lens`` tokens each, starting at ``cu[seg]``), in order."""
+    starts = torch.repeat_interleave(cu[seg] - (lens.cumsum(0) - lens), lens)
+    return starts + torch.arange(int(lens.sum()))
 
 
 def _output(out: torch.Tensor | None, query: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:

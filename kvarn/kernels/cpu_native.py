@@ -44,7 +44,7 @@ class _Args(ctypes.Structure):
     """Mirror of ``struct Args`` in the C++ source (every field 8 bytes, same order)."""
 
     _fields_ = [
-        *((n, _I) for n in ("B", "H", "G", "D", "T", "KB", "VB", "LOG8", "SPLITS", "NTHREADS")),
+        *((n, _I) for n in ("B", "H", "G", "D", "T", "KB", "VB", "LOG8", "SPLIT_TILES", "NTHREADS")),
         *((n, _I) for n in ("KC", "VC", "KS", "KO", "KF", "VS", "VO", "VF", "DTYPE", "SINK_TOKENS", "SINK_CAP")),
         *((n, _I) for n in ("NUM_BLOCKS", "BT_WIDTH", "TAIL_SLOTS", "SINK_SLOTS")),
         ("cache", _P), ("cache_sb", _I), ("cache_sh", _I), ("block_table", _P), ("bt_sb", _I), ("num_tiles", _P),
@@ -117,9 +117,10 @@ def _rotations(kind: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return r, r.T.contiguous()
 
 
-def choose_splits(bsz: int, num_kv_heads: int, threads: int) -> int:
-    """Splits of each sequence's tiles: enough tasks to keep ``threads`` busy (about 4 per thread)."""
-    return max(1, min(16, -(-4 * threads // max(1, bsz * num_kv_heads))))
+# Tiles per decode task. Fixed, so that a sequence's tiles are split and merged the same way in any
+# batch and with any thread count: decode is batch-invariant, and a token verified in a speculative
+# step (or recomputed) reads the same bits as when it is decoded alone.
+SPLIT_TILES = 8
 
 
 def _i32(t: torch.Tensor) -> torch.Tensor:
@@ -185,7 +186,7 @@ def prepare(p: Paged, query: torch.Tensor, block_table: torch.Tensor, num_tiles:
     h = p.cache.shape[1]
     a = _Args.from_buffer_copy(_static_args(p.scheme, d, dtype, p.sink_k.shape[2] if p.sink_k is not None else 0))
     threads = torch.get_num_threads()
-    a.B, a.H, a.G, a.SPLITS, a.NTHREADS = bsz, h, hq // h, choose_splits(bsz, h, threads), threads
+    a.B, a.H, a.G, a.SPLIT_TILES, a.NTHREADS = bsz, h, hq // h, SPLIT_TILES, threads
     given = [block_table, num_tiles, p.tail_lens]
     keep = [_i32(block_table), _i32(num_tiles), _i32(p.tail_lens)]
     a.NUM_BLOCKS, a.BT_WIDTH, a.TAIL_SLOTS = p.cache.shape[0], block_table.shape[1], p.tail_k.shape[0]

@@ -5,7 +5,7 @@ building blocks in :mod:`kvarn.kernels.cpu_native_vec`, then the kernel here. Pl
 OpenMP and GCC/Clang vector extensions (AVX2 intrinsics only where they beat the generic form,
 each with a portable fallback), compiled with ``-O3 -march=native`` for the machine that runs it.
 
-One task per (sequence, KV head, split of its tiles) streams its tiles record by record: key
+One task per (sequence, KV head, split of :data:`~kvarn.kernels.cpu_native.SPLIT_TILES` of its tiles) streams its tiles record by record: key
 scores straight from the packed codes for all ``G`` query heads of the KV head at once
 (``score = kf * ((q_r * ks) . codes + q_r . ko)``), an online softmax per tile, then the value
 codes of 32 rows at a time unpacked into L1 (``acc_r += vf * ((p * vs) @ codes + p . vo)``); one
@@ -19,7 +19,7 @@ from kvarn.kernels.cpu_store_src import STORE
 
 KERNEL = r"""
 struct Args {  // every field 8 bytes: mirrored by ctypes in cpu_native.py
-  int64_t B, H, G, D, T, KB, VB, LOG8, SPLITS, NTHREADS;
+  int64_t B, H, G, D, T, KB, VB, LOG8, SPLIT_TILES, NTHREADS;  // SPLIT_TILES: tiles per task
   int64_t KC, VC, KS, KO, KF, VS, VO, VF;   // byte offsets of the record's sections
   int64_t DTYPE;                            // of query, rows and output: 0 f32, 1 f16, 2 bf16
   int64_t SINK_TOKENS;                      // > 0: sink rows replace tile 0's first positions
@@ -176,7 +176,10 @@ int check_indices(const Args& a) {
 extern "C" int kvarn_decode(const Args* args) {
   const Args& a = *args;
   if (const int bad = check_indices(a)) return bad;
-  const int64_t B = a.B, H = a.H, G = a.G, D = a.D, S = a.SPLITS, P = S + 1, W = D + 2;
+  // Sequence b's tiles are cut into parts of SPLIT_TILES tiles whatever the batch and the thread
+  // count, and the parts are merged in order: a row's result depends only on its own context.
+  const int64_t B = a.B, H = a.H, G = a.G, D = a.D, W = D + 2;
+  const int64_t S = std::max<int64_t>(1, (a.BT_WIDTH + a.SPLIT_TILES - 1) / a.SPLIT_TILES), P = S + 1;
   std::vector<float> part((size_t)(B * H * P * G * W));  // per (b, h, part, g): m, l, acc[D]
   #pragma omp parallel for schedule(dynamic, 1) num_threads((int)a.NTHREADS)
   for (int64_t task = 0; task < B * H * P; ++task) {
@@ -201,7 +204,7 @@ extern "C" int kvarn_decode(const Args* args) {
       rows_task(a, static_cast<const char*>(a.tail_k) + off * es, static_cast<const char*>(a.tail_v) + off * es,
                 a.tail_st, a.tail_lens[b], q.data(), m.data(), l.data(), acc.data(), w);
     } else {
-      const int64_t n = a.num_tiles[b], per = (n + S - 1) / S, t0 = split * per, t1 = std::min(n, t0 + per);
+      const int64_t n = a.num_tiles[b], t0 = split * a.SPLIT_TILES, t1 = std::min(n, t0 + a.SPLIT_TILES);
       if (t0 < t1) {
         if (a.rot) {
           for (int64_t g = 0; g < G; ++g) vec_mat(q.data() + g * D, a.rot, D, qr.data() + g * D);

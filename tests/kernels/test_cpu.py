@@ -228,6 +228,12 @@ def test_prefill_chunks_after_context(name: str, sink_tokens: int, pooled: bool)
     assert sqnr_db(torch.cat(refs), out) >= MIN_SQNR_DB
 
 
+def test_prefill_short_segments_without_the_native_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the native kernel cannot take the rows, short segments are attended by the prefill path."""
+    monkeypatch.setattr(cpu_native, "prepare", lambda *args, **kw: None)
+    test_prefill_chunks_after_context("kvarn_k3v2_g32_rot-rh_s8", 4, True)
+
+
 def test_arguments_are_checked_with_names() -> None:
     sc = scheme("kvarn_k4v2_g32")
     pb = paged_batch(sc, [40], 1, 64)
@@ -297,6 +303,49 @@ def test_native_decode_is_the_same_on_any_number_of_threads() -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: no native kernel")
+@pytest.mark.parametrize(("name", "sink_tokens"), [("kvarn_k4v2_g32", 2), ("kvarn_k4v2_g32_sink", 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_segment_gives_the_bits_of_decoding_token_by_token(
+    name: str, sink_tokens: int, dtype: torch.dtype
+) -> None:
+    """A speculative verification (a segment of 4 new tokens after 5 staged ones, bf16) attends each
+    token exactly as the decode step of that token alone would; decode rows are batch-invariant: the
+    same bits beside a sequence with 10 tiles as alone (float32 shows any other order of the sums)."""
+    sc = scheme(name, sink_tokens)
+    t, hkv, d, new = sc.group_size, 2, 64, 4
+    pb = paged_batch(sc, [3 * t + 5 + (t if sc.sink_tile else 0), 10 * t + 3], hkv, d, seed=4)
+    a = staging(sc, pb, True, seed=4)
+    bf = dtype
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(new, n, d, generator=g).to(bf) for n in (hkv * 3, hkv, hkv))
+    tail_k, tail_v = a.tail_k.to(bf), a.tail_v.to(bf)
+    kw = {n: (x.to(bf) if n in ("sink_k", "sink_v") and x is not None else x) for n, x in a.kwargs.items()}
+    one = {n: (x[:1].contiguous() if n in ("sink_lens", "sink_slot", "tail_slot") else x) for n, x in kw.items()}
+    staged = int(pb.tail_lens[0])
+    cu = torch.tensor([0, new], dtype=torch.int32)
+    bt, nt = pb.block_table[:1].contiguous(), pb.num_tiles[:1].contiguous()
+    verified = cpu.prefill_attention(
+        q, k, v, cu, pb.cache, bt, nt, tail_k, tail_v, pb.tail_lens[:1].contiguous(), sc, **one
+    )  # type: ignore[arg-type]
+    slot = int(kw["tail_slot"][0])  # type: ignore[index]
+    decoded, batched = [], []
+    for i in range(new):  # each decode step writes its token into the staging slot first
+        tail_k[slot, :, staged + i], tail_v[slot, :, staged + i] = k[i], v[i]
+        lens = torch.tensor([staged + i + 1], dtype=torch.int32)
+        decoded.append(
+            cpu.decode_attention(q[i : i + 1], pb.cache, bt, nt, tail_k, tail_v, lens, sc, impl="native", **one)
+        )  # type: ignore[arg-type]
+        lens2 = torch.cat([lens, pb.tail_lens[1:]])
+        q2 = torch.cat([q[i : i + 1], q[i : i + 1]])
+        both = cpu.decode_attention(
+            q2, pb.cache, pb.block_table, pb.num_tiles, tail_k, tail_v, lens2, sc, impl="native", **kw
+        )  # type: ignore[arg-type]
+        batched.append(both[:1])
+    assert torch.equal(torch.cat(decoded), verified)
+    assert torch.equal(torch.cat(batched), verified)
 
 
 def test_prefill_segments_sharing_tiles() -> None:
