@@ -6,7 +6,7 @@ measures a model built from a config with random weights: 6 layers (5 sliding-wi
 figures say little about a trained model; they show that the path runs and what each layer type
 holds. Each scheme is measured with sliding layers exact (default) and quantized::
 
-    python -m tests.models.measure [--tokens 2048] [--schemes fp16,kvarn_k4v2_g128,...]
+    python tools/measure_gemma_like.py [--tokens 2048] [--schemes fp16,kvarn_k4v2_g128,...]
 
 Prints a Markdown table: bits per element overall and per layer type after the text (what the
 cache holds), and KL(fp16 || scheme), top-1 and greedy agreement against fp16.
@@ -19,15 +19,18 @@ cache holds), and KL(fp16 || scheme), top-1 and greedy agreement against fp16.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvarn.eval.harness import Evaluator
-from kvarn.hf import KVarNCache
-from tests.models.builders import build, gemma3_config, save
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvarn.eval.harness import Evaluator  # noqa: E402
+from kvarn.hf import KVarNCache  # noqa: E402
+from tests.models.builders import build, gemma3_config, save  # noqa: E402
 
 SCHEMES = "fp16,kvarn_k4v2_g128,kvarn_k4v4_g128,kivi2,kivi4,turboquant3,turboquant4"
 

@@ -26,35 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def write(out: Path, window: int = 512, every: int = 6, model: str = "smollm2-135m", for_vllm: bool = False) -> Path:
-    """Write the windowed copy of ``model`` (an alias or a Llama folder) to ``out``; returns ``out``.
-    ``for_vllm``: keep the Llama architecture (vLLM's Llama honours the per-layer windows)."""
-    from kvarn.models import resolve_model
-
-    src = resolve_model(model)
-    config = json.loads((src / "config.json").read_text())
-    if config.get("model_type") != "llama":
-        raise ValueError(f"{src}: model_type {config.get('model_type')!r}; a Llama folder is needed")
-    if window < 1 or every < 1:
-        raise ValueError(f"--window {window} and --every {every} must be >= 1")
-    n = int(config["num_hidden_layers"])
-    types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
-    config.update(sliding_window=window, layer_types=types)
-    if not for_vllm:
-        config.update(architectures=["MinistralForCausalLM"], model_type="ministral")
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.name != "config.json":
-            shutil.copy2(f, out / f.name)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
+from tests.models.builders import windowed_copy  # noqa: E402
 
 
 def serve(folder: Path, kv_cache_dtype: str, max_model_len: int = 4096, chunk: int | None = None) -> tuple[int, str]:
@@ -91,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=4096, help="vLLM's capacity is per request of this length")
     p.add_argument("--chunk", type=int, default=None, help="max_num_batched_tokens (default: vLLM's)")
     a = p.parse_args(argv)
-    out = write(a.out, a.window, a.every, a.model, a.for_vllm)
+    out = windowed_copy(a.out, a.window, a.every, a.model, a.for_vllm)
     types = json.loads((out / "config.json").read_text())["layer_types"]
     full = [i for i, t in enumerate(types) if t == "full_attention"]
     print(f"{out}: {len(types)} layers, full attention at {full}, the others sliding (window {a.window})")

