@@ -79,7 +79,7 @@ def _committed_preset(model: str) -> tuple[str, Path] | None:
     findable by name (prepended to ``KVARN_PRESET_PATH``, inherited by vLLM's processes); None if
     absent."""
     from kvarn.autotune.budget import parse_budget
-    from kvarn.autotune.tuner import derived_name
+    from kvarn.autotune.config import derived_name
     from kvarn.schemes.registry import PRESET_PATH_ENV
 
     name = derived_name(model, parse_budget("1%"))

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from kvarn.autotune.budget import parse_budget
 from kvarn.autotune.cli import main as tune_main
-from kvarn.autotune.tuner import derived_name
+from kvarn.autotune.config import derived_name
 
 FAST = ("--tokens", "512", "--trials", "8", "--sensitivity-tokens", "192", "--confirm", "2", "--group-sizes", "64,128")
 

@@ -3,20 +3,28 @@
 The pieces, upstream first: :mod:`~kvarn.autotune.budget` (``1%``, ``kl=0.01``, ``greedy=200``),
 :mod:`~kvarn.autotune.space` (Optuna parameters -> valid schemes; per-layer sensitivity),
 :mod:`~kvarn.autotune.objective` (bits per element s.t. the budget constraint, pruning),
-:mod:`~kvarn.autotune.tuner` (split, study, held-out confirmation), :mod:`~kvarn.autotune.report`
-(preset with provenance, table, JSON, plot) and :mod:`~kvarn.autotune.cli` (``kvarn-tune``).
+:mod:`~kvarn.autotune.config` (``TuneConfig``), :mod:`~kvarn.autotune.texts` (calibration /
+held-out split), :mod:`~kvarn.autotune.search` (sensitivity pass and Optuna study),
+:mod:`~kvarn.autotune.heldout` (held-out confirmation), :mod:`~kvarn.autotune.result`
+(``TuneResult``, ``Outcome``), :mod:`~kvarn.autotune.tuner` (``tune()``: the phases in order),
+:mod:`~kvarn.autotune.report` (preset with provenance, table, JSON, plot) and
+:mod:`~kvarn.autotune.cli` (``kvarn-tune``, the only place that picks exit codes).
 """
 
 from kvarn.autotune.budget import Budget, BudgetError, parse_budget
+from kvarn.autotune.config import TuneConfig, derived_name
 from kvarn.autotune.objective import Objective
+from kvarn.autotune.result import Candidate, Outcome, TuneResult
 from kvarn.autotune.space import SearchSpace, layer_sensitivity, only_layer, ranking
-from kvarn.autotune.tuner import Candidate, TuneConfig, TuneResult, derived_name, split_text, tune
+from kvarn.autotune.texts import split_text
+from kvarn.autotune.tuner import tune
 
 __all__ = [
     "Budget",
     "BudgetError",
     "Candidate",
     "Objective",
+    "Outcome",
     "SearchSpace",
     "TuneConfig",
     "TuneResult",

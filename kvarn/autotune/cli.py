@@ -20,11 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from kvarn.autotune.budget import BudgetError, parse_budget
+from kvarn.autotune.config import TuneConfig, derived_name
 from kvarn.autotune.report import check_writable, plot_front, summary_table, to_json, write_presets
+from kvarn.autotune.result import Outcome
+from kvarn.autotune.search import resume_hint
 from kvarn.autotune.space import SINK_CHOICES, SINKS
-from kvarn.autotune.tuner import SPLITS, TuneConfig, derived_name, model_dims, resume_hint, tune
+from kvarn.autotune.texts import SPLITS
+from kvarn.autotune.tuner import model_dims, tune
 from kvarn.cli import DefaultsHelpFormatter
 
+EXIT_CODES: dict[Outcome, int] = {
+    Outcome.OK: 0,
+    Outcome.UNREACHABLE: 2,
+    Outcome.UNCONFIRMED: 3,
+    Outcome.INTERRUPTED: 130,
+}
 MAX_PPL_BUDGET = 100.0  # percent: a perplexity budget is an increase of at most double
 _NEGATIVE_BUDGET_RE = re.compile(r"\s*(?:(?:ppl|kl|greedy)\s*=\s*)?-", re.IGNORECASE)
 
@@ -230,7 +240,7 @@ def _budget_value_joined(argv: Sequence[str]) -> list[str]:
 
 def _interrupted(storage: str | None) -> int:
     print(f"kvarn-tune: interrupted; {resume_hint(storage)}", file=sys.stderr)
-    return 130
+    return EXIT_CODES[Outcome.INTERRUPTED]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -271,11 +281,12 @@ def _run(args: argparse.Namespace) -> int:
     plot = None
     if res.trials and (args.plot or written):  # no preset written: nothing left in the preset folder
         plot = plot_front(res, args.plot or out_dir / f"{name}.png")
+    code = EXIT_CODES[res.outcome]
     if res.interrupted:
         if args.json:
-            print(json.dumps(to_json(res, written, plot), indent=2, default=str))
+            print(json.dumps(to_json(res, written, plot, code), indent=2, default=str))
         print(f"kvarn-tune: {res.message}", file=sys.stderr)
-        return res.exit_code
+        return code
     human = sys.stderr if args.json else sys.stdout  # --json: stdout is JSON only
     print(summary_table(res), file=human)
     for p in written:
@@ -283,10 +294,10 @@ def _run(args: argparse.Namespace) -> int:
     if plot:
         print(f"plot  {plot}", file=human)
     if args.json:
-        print(json.dumps(to_json(res, written, plot), indent=2, default=str))
-    if res.exit_code:
+        print(json.dumps(to_json(res, written, plot, code), indent=2, default=str))
+    if code:
         print(f"kvarn-tune: {res.message}", file=sys.stderr)
-    return res.exit_code
+    return code
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvarn.autotune.tuner import Candidate, TuneResult, fmt_ci
+from kvarn.autotune.result import Candidate, TuneResult, fmt_ci
 from kvarn.schemes import Preset, Scheme, save_preset
 
 
@@ -123,12 +123,15 @@ def summary_table(res: TuneResult) -> str:
         lines.append("feasible on calibration = the upper end of the 90% CI (chunk bootstrap) within the budget")
     if res.extra:
         lines.append("time (s): " + ", ".join(f"{k.removesuffix('_seconds')} {v}" for k, v in res.extra.items()))
-    lines.append(("OK: " if res.exit_code == 0 else "FAILED: ") + res.message)
+    lines.append(("OK: " if res.ok else "FAILED: ") + res.message)
     return "\n".join(lines)
 
 
-def to_json(res: TuneResult, written: list[Path], plot: Path | None) -> dict[str, Any]:
+def to_json(res: TuneResult, written: list[Path], plot: Path | None, exit_code: int) -> dict[str, Any]:
+    """The result as plain JSON types, with the presets written, the plot and the CLI's exit code."""
     d = asdict(res)
+    d["interrupted"] = res.interrupted
+    d["exit_code"] = exit_code
     d["presets"] = [str(p) for p in written]
     d["plot"] = str(plot) if plot else None
     return d

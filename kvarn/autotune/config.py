@@ -1,0 +1,94 @@
+"""``TuneConfig``: every setting one tuning run depends on (the CLI fills it from its flags), and
+the names derived from it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvarn.autotune.budget import Budget
+from kvarn.autotune.space import SINKS
+
+
+@dataclass
+class TuneConfig:
+    """Everything one tuning run depends on.
+
+    ``tokens`` is per part: calibration and held-out each evaluate this many tokens. The default,
+    4096, uses most of each part of the bundled text (4,800 / 5,080 tokens); the 90% interval of a
+    perplexity increase narrows with the tokens (docs/tuning.md, "How wide the bound is").
+    """
+
+    budget: Budget
+    model: str = "smollm2-135m"
+    text: str | None = None  # None: the bundled text of kvarn eval (GPL-3, then Apache-2.0)
+    tokens: int = 4096
+    holdout: float = 0.5  # fraction of the text kept for confirmation
+    split: str = "interleaved"  # how the held-out part is cut from the text (see split_text)
+    trials: int = 30
+    timeout: float | None = None
+    seed: int = 0
+    storage: str | None = None  # an Optuna storage URL (e.g. sqlite:///kvarn-tune.db); None: in memory
+    study_name: str | None = None
+    pareto: bool = False
+    allow_kv_inversion: bool = False
+    sinks: tuple[str, ...] = SINKS  # sink choices (see space.py); ("0",): none
+    allow_fp16_layers: bool = False  # let tiers keep layers unquantized (see space.py for why it is off)
+    context: int | None = None  # tokens a sequence's sink cost is spread over; None: ``tokens``
+    per_layer: bool = True
+    max_protect: int = 4
+    group_sizes: tuple[int, ...] = (32, 64, 128, 256)
+    min_tiles: int = 4  # a group size needs this many full tiles in the evaluated tokens
+    prune_tokens: int | None = -1  # -1: tokens // 2; 0 or None: no partial evaluation
+    prune_slack: float = 2.0
+    sensitivity_tokens: int = 256  # 0: no sensitivity pass (layers ranked by index)
+    sensitivity_probe: str = "k2v2"
+    cache_dir: Path | None = None
+    confirm: int = 3  # feasible candidates tried on held-out text, fewest bits first
+    compare: tuple[str, ...] = ()  # presets / baselines measured on held-out text for the plot
+    chunk: int = 128
+    progress: bool = True
+    feasibility: str = "bound"  # "bound": upper confidence bound within budget (default); "point": estimate
+    device: str = "cpu"  # where the model runs: cpu, cuda, cuda:<n>
+    dtype: str = "float32"  # the model's dtype: float32, bfloat16, float16
+
+    @property
+    def bits_context(self) -> int:
+        """Tokens a sequence's sink cost is spread over when counting bits per element."""
+        return self.context or self.tokens
+
+    def resolved_prune_tokens(self) -> int | None:
+        """Tokens of the partial evaluation; None when too short to read anything quantized
+        (decode mode reads a chunk's own tokens unquantized, so a prefix needs > 1 chunk)."""
+        n = self.tokens // 2 if self.prune_tokens == -1 else self.prune_tokens
+        return n if n and self.chunk < n < self.tokens else None
+
+    def checked_group_sizes(self) -> tuple[int, ...]:
+        """The group sizes with ``min_tiles`` full tiles in ``tokens``, after checking the token counts.
+
+        Raises:
+            ValueError: none fits, or the sensitivity pass would read no quantized tile.
+        """
+        groups = tuple(g for g in self.group_sizes if g * self.min_tiles <= self.tokens)
+        if not groups:
+            raise ValueError(
+                f"--tokens {self.tokens} is too short for group sizes {self.group_sizes}: a group size needs "
+                f"{self.min_tiles} full tiles; raise --tokens to at least {self.min_tiles * min(self.group_sizes)}"
+            )
+        if self.sensitivity_tokens and self.per_layer and self.sensitivity_tokens <= self.chunk:
+            raise ValueError(
+                f"--sensitivity-tokens {self.sensitivity_tokens} must exceed the chunk ({self.chunk} tokens): "
+                "decode mode reads quantized tiles only from the next chunk on"
+            )
+        return groups
+
+
+def slug(s: str) -> str:
+    """A model alias or folder as a lower-case identifier: ``"models/SmolLM2-135M"`` -> ``"smollm2_135m"``."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", Path(s).name).strip("_").lower() or "model"
+
+
+def derived_name(model: str, budget: Budget) -> str:
+    """``kvarn_<model>_<budget>``, e.g. ``kvarn_smollm2_135m_1pct``."""
+    return f"kvarn_{slug(model)}_{budget.slug}"

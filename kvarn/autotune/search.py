@@ -1,0 +1,243 @@
+"""The search phase of ``tune()``: per-layer sensitivity, then an Optuna study on calibration text.
+
+The study minimizes bits per element subject to the budget constraint
+(:class:`~kvarn.autotune.objective.Objective`). It is named from everything that defines the search
+(model, text, budget, space, seed), so the same command with the same ``storage`` resumes it.
+Trials left RUNNING by a killed process are marked FAIL before the study continues.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from kvarn.autotune.config import TuneConfig, slug
+from kvarn.autotune.objective import EvaluatorLike, Objective, best_feasible
+from kvarn.autotune.space import SearchSpace, layer_sensitivity, parse_pair, ranking, sensitivity_key
+from kvarn.schemes import Scheme
+
+MAX_FREE_PER_TRIAL = 20  # unmeasured (skipped) trials allowed per evaluated one before the study stops
+_OPTUNA_TRIAL_LOG = "optuna.study._optimize"  # the logger that reports a failed trial
+
+OnTrial = Callable[[int, int, float | None], None]
+
+
+def resume_hint(storage: str | None) -> str:
+    """How to pick up an interrupted run: the same command with the same ``--storage``, or, when
+    the study was kept in memory, the flag that makes the next run resumable."""
+    if storage:
+        return f"rerun with the same --storage ({storage}) to resume"
+    return "nothing to resume (no --storage); pass --storage sqlite:///kvarn-tune.db to make a run resumable"
+
+
+class _DropInterruptedTrial(logging.Filter):
+    """Drops Optuna's report of the trial Ctrl-C stopped (a traceback and a value line): the
+    interrupt is the user's, reported once by the caller with :func:`resume_hint`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info
+        if exc and exc[0] is not None and issubclass(exc[0], KeyboardInterrupt):
+            self.dropped = True
+            return False
+        return not (self.dropped and record.getMessage().endswith("failed with value None."))
+
+
+@dataclass
+class SearchRun:
+    """What the search phase leaves for the held-out check: the study's trials and their space."""
+
+    study_name: str
+    space: SearchSpace
+    sensitivity: list[float]
+    trials: list[FrozenTrial]
+    interrupted: bool
+    sensitivity_end: float  # time.perf_counter() after the sensitivity pass
+
+
+def layer_mix_bits(evaluator: EvaluatorLike, context: int) -> Callable[[Scheme], float] | None:
+    """Bits per element of a model with sliding-window layers at ``context`` tokens: they stay
+    16-bit and weigh only their window (:meth:`kvarn.hf.CacheGeometry.bits_per_element`); None for
+    a model with full attention only, or an evaluator without a model (the scheme's own figure)."""
+    config = getattr(getattr(evaluator, "model", None), "config", None)
+    if config is None:
+        return None
+    from kvarn.hf import FULL, cache_geometry
+
+    geometry = cache_geometry(config)
+    if geometry.count(FULL) == geometry.num_layers:
+        return None
+    return lambda scheme: geometry.bits_per_element(scheme, context)
+
+
+def study_name(config: TuneConfig, space: SearchSpace, text_sha: str) -> str:
+    """``kvarn-tune-<model>-<budget>-<hash of the search's definition>``."""
+    sig = json.dumps(
+        [
+            config.model,
+            text_sha,
+            config.tokens,
+            config.holdout,
+            config.split,
+            config.budget.to_dict(),
+            repr(space),
+            config.seed,
+        ],
+        sort_keys=True,
+    )
+    return f"kvarn-tune-{slug(config.model)}-{config.budget.slug}-{hashlib.sha256(sig.encode()).hexdigest()[:10]}"
+
+
+def sensitivity(config: TuneConfig, evaluator: EvaluatorLike, num_layers: int, calib_sha: str) -> list[float]:
+    """Per-layer KL of the probe scheme on one layer at a time, cached on disk by model, text and
+    probe; ``[]`` when the pass is off (``sensitivity_tokens`` 0 or no per-layer search)."""
+    if not config.sensitivity_tokens or not config.per_layer:
+        return []
+    from kvarn.models import default_cache_dir
+
+    k, v = parse_pair(config.sensitivity_probe)
+    g = 128 if 128 in config.group_sizes else min(config.group_sizes)
+    probe = Scheme(k, v, g)
+    key = sensitivity_key(config.model, calib_sha, config.sensitivity_tokens, probe.name, num_layers)
+    cache = (config.cache_dir or default_cache_dir() / "sensitivity") / f"{key}.json"
+
+    model_config = getattr(getattr(evaluator, "model", None), "config", None)
+    if model_config is not None:
+        from kvarn.hf import cache_geometry
+
+        attention = set(cache_geometry(model_config).attention_layers)
+    else:
+        attention = set(range(num_layers))
+
+    def measure(s: Scheme) -> float:
+        if not any(s.for_layer(i) is not None for i in attention):
+            return 0.0  # a hybrid model's recurrent layer: nothing to quantize there, no pass needed
+        r = evaluator.evaluate(s, greedy=False, max_tokens=config.sensitivity_tokens, progress=False)
+        return float(r.kl)
+
+    return layer_sensitivity(measure, num_layers, probe, cache, progress=config.progress)
+
+
+def open_study(config: TuneConfig, space: SearchSpace, name: str) -> optuna.Study:
+    """Create or load the study ``name`` in ``config.storage`` and fail the trials a killed
+    process left RUNNING (they cannot be resumed)."""
+    storage = optuna.storages.get_storage(config.storage)
+    prune_tokens = config.resolved_prune_tokens()
+    pruner: optuna.pruners.BasePruner = optuna.pruners.NopPruner()
+    if prune_tokens and not config.budget.needs_greedy:
+        pruner = optuna.pruners.ThresholdPruner(upper=config.budget.limit * config.prune_slack)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        study_name=name,
+        storage=storage,
+        load_if_exists=True,
+        direction="minimize",
+        sampler=optuna.samplers.TPESampler(seed=config.seed, n_startup_trials=8, multivariate=True, group=True),
+        pruner=pruner,
+    )
+    stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    if stale:
+        study_id = storage.get_study_id_from_name(name)
+        for t in stale:
+            trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
+            storage.set_trial_state_values(trial_id, TrialState.FAIL)
+    return study
+
+
+def search(
+    config: TuneConfig,
+    calib_ev: EvaluatorLike,
+    dims: tuple[int, int],
+    groups: tuple[int, ...],
+    text_sha: str,
+    calib_sha: str,
+    on_trial: OnTrial | None = None,
+) -> SearchRun:
+    """Run the sensitivity pass and the study on the calibration evaluator until ``config.trials``
+    trials have been evaluated (or the timeout, or Ctrl-C: then ``interrupted``).
+
+    ``dims``: ``(num_layers, head_dim)``; ``groups``: the group sizes searched; ``text_sha`` names the
+    study, ``calib_sha`` keys the sensitivity cache; ``on_trial``: see :func:`kvarn.autotune.tuner.tune`.
+    """
+    num_layers, head_dim = dims
+    sens = sensitivity(config, calib_ev, num_layers, calib_sha)
+    sensitivity_end = time.perf_counter()
+    space = SearchSpace(
+        num_layers=num_layers,
+        ranking=ranking(sens) if sens else (),
+        group_sizes=groups,
+        allow_kv_inversion=config.allow_kv_inversion,
+        sinks=config.sinks,
+        allow_fp16_layers=config.allow_fp16_layers,
+        per_layer=config.per_layer,
+        max_protect=config.max_protect,
+    )
+    name = config.study_name or study_name(config, space, text_sha)
+    study = open_study(config, space, name)
+    objective = Objective(
+        space,
+        config.budget,
+        calib_ev,
+        head_dim,
+        num_layers,
+        prune_tokens=config.resolved_prune_tokens(),
+        pareto=config.pareto,
+        chunk=config.chunk,
+        tokens=config.tokens,
+        context=config.bits_context,
+        bits_of=layer_mix_bits(calib_ev, config.bits_context),
+        feasibility=config.feasibility,
+    )
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+    objective.prime(done)
+    if not study.trials:
+        for p in space.seeds():
+            study.enqueue_trial(p, skip_if_exists=True)
+    evaluated = sum(bool(t.user_attrs.get("evaluated")) for t in done)
+    cap = len(study.trials) + (config.trials - evaluated) * MAX_FREE_PER_TRIAL
+
+    def after(study: optuna.Study, trial: FrozenTrial) -> None:
+        nonlocal evaluated
+        evaluated += bool(trial.user_attrs.get("evaluated"))
+        if on_trial is not None:
+            best = best_feasible(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+            on_trial(evaluated, config.trials, float(best.value) if best and best.value is not None else None)
+        if evaluated >= config.trials or trial.number + 1 >= cap:
+            study.stop()
+
+    interrupted = False
+    if evaluated < config.trials:
+        quiet = _DropInterruptedTrial()
+        logging.getLogger(_OPTUNA_TRIAL_LOG).addFilter(quiet)
+        try:
+            study.optimize(
+                objective,
+                n_trials=None,
+                timeout=config.timeout,
+                catch=(RuntimeError, ValueError),
+                callbacks=[after],
+                gc_after_trial=False,
+                show_progress_bar=False,
+            )
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            logging.getLogger(_OPTUNA_TRIAL_LOG).removeFilter(quiet)
+    return SearchRun(
+        study_name=name,
+        space=space,
+        sensitivity=sens,
+        trials=study.get_trials(deepcopy=False),
+        interrupted=interrupted,
+        sensitivity_end=sensitivity_end,
+    )
