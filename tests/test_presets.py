@@ -207,3 +207,12 @@ def test_num_layers_comes_from_the_tuning_provenance(tmp_path: Path) -> None:
         load_preset(Path(__file__).resolve().parents[1] / "docs" / "tuned" / "kvarn_smollm2_135m_1pct.yaml").num_layers
         == 30
     )
+
+
+def test_kernel_config_of_older_files_is_accepted_and_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "old.yaml"
+    path.write_text(GOOD + "kernel_config: {decode: {BT: 16}}\n")
+    p = load_preset(path)
+    again = load_preset(save_preset(p, tmp_path / "again.yaml"))
+    assert (again.name, again.scheme) == (p.name, p.scheme)
+    assert "kernel_config" not in (tmp_path / "again.yaml").read_text()

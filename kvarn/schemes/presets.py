@@ -12,17 +12,18 @@ A preset file::
     scale_dtype: fp16          # fp16 or log8
     sink_tile: false           # keep the first tile of every sequence unquantized
     sink_tokens: 1             # 0, 1, 2, 4 or 8 first tokens also kept exactly; optional: omitted
-                               # means 1 in version 2, 0 in version 1 (written before 2026-12-01,
+                               # means 1 in version 2, 0 in version 1 (whose files were written
                                # when no exact token was the default), so old files keep their meaning
     layers:                    # optional per-layer overrides
       - {layers: "0-1", key_bits: 8, value_bits: 4}
       - {layers: 29, unquantized: true}
     description: ...           # optional free text
     provenance: {...}          # optional mapping (kvarn-tune writes model, budget, measurements)
-    kernel_config: {...}       # optional mapping of kernel launch parameters
 
 Every scheme field is required; an unknown key, a missing field or a bad value raises
-:class:`PresetError` naming the file, the field, the value and what is allowed.
+:class:`PresetError` naming the file, the field, the value and what is allowed. A ``kernel_config``
+mapping, which earlier files may hold, is accepted and ignored (kernel launch parameters come from
+:mod:`kvarn.kernels`, not from presets).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ SUPPORTED_VERSIONS = (1, 2)
 _VERSION_DEFAULTS: dict[int, dict[str, Any]] = {1: {"sink_tokens": 0}}
 _SCHEME_FIELDS = ("key_bits", "value_bits", "group_size", "rotation", "norm_iters", "scale_dtype", "sink_tile")
 _OPTIONAL_SCHEME_FIELDS = ("sink_tokens",)  # optional: omitted means the version's default (_VERSION_DEFAULTS)
-_OPTIONAL = ("layers", "description", "provenance", "kernel_config")
+_OPTIONAL = ("layers", "description", "provenance")
+_IGNORED = ("kernel_config",)  # read by no code; accepted so that files that have it still load
 _ALLOWED_KEYS = ("version", "name", *_SCHEME_FIELDS, *_OPTIONAL_SCHEME_FIELDS, *_OPTIONAL)
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 _RANGE_RE = re.compile(r"(\d+)(?:-(\d+))?")
@@ -65,7 +67,6 @@ class Preset:
     source: str = "built-in"
     description: str = ""
     provenance: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
-    kernel_config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def num_layers(self) -> int | None:
@@ -110,7 +111,7 @@ def _parse_overrides(path: str, items: Any) -> tuple[LayerOverride, ...]:
 
 def preset_from_dict(data: dict[str, Any], path: str = "<dict>") -> Preset:
     """Validate a preset mapping (schema version 2 or 1) and build the :class:`Preset`."""
-    unknown = sorted(set(data) - set(_ALLOWED_KEYS))
+    unknown = sorted(set(data) - set(_ALLOWED_KEYS) - set(_IGNORED))
     if unknown:
         raise _fail(path, f"unknown key(s) {unknown}; allowed: {', '.join(_ALLOWED_KEYS)}")
     missing = [k for k in ("version", "name", *_SCHEME_FIELDS) if k not in data]
@@ -142,16 +143,14 @@ def preset_from_dict(data: dict[str, Any], path: str = "<dict>") -> Preset:
             raise _fail(
                 path, f"name {name!r} is the canonical name of another scheme; this file describes {scheme.name!r}"
             )
-    for opt in ("provenance", "kernel_config"):
-        if not isinstance(data.get(opt, {}), dict):
-            raise _fail(path, f"{opt} must be a mapping")
+    if not isinstance(data.get("provenance", {}), dict):
+        raise _fail(path, "provenance must be a mapping")
     return Preset(
         name=name,
         scheme=scheme,
         source=path,
         description=str(data.get("description", "")),
         provenance=dict(data.get("provenance", {})),
-        kernel_config=dict(data.get("kernel_config", {})),
     )
 
 
@@ -187,8 +186,6 @@ def preset_to_dict(preset: Preset) -> dict[str, Any]:
         data["description"] = preset.description
     if preset.provenance:
         data["provenance"] = preset.provenance
-    if preset.kernel_config:
-        data["kernel_config"] = preset.kernel_config
     return data
 
 
