@@ -151,7 +151,8 @@ class Objective:
 
         Decode mode reads a tile quantized only from the chunk after the one that filled it, and a
         sink tile is never quantized, so a prefix must reach past the first quantized tile's chunk
-        (measured: a 256-token prefix reads nothing quantized of ``g128_sink``).
+        (a 256-token prefix reads nothing quantized of ``g128_sink``: its first packed tile, tokens
+        128-255, is read quantized only by the chunk after it).
         """
         if not self.prune_tokens:
             return None

@@ -224,8 +224,8 @@ class SearchSpace:
 # ---- per-layer sensitivity --------------------------------------------------------------------
 
 
-# 2: a plain probe name keeps one exact first token since 2026-12-01, so passes cached under the same
-# name before (no exact token) must not be reused
+# 2: a plain probe name keeps one exact first token (Scheme.sink_tokens = 1); passes cached under
+# key version 1 were made without it and are not reused
 SENSITIVITY_KEY_VERSION = 2
 
 

@@ -10,8 +10,8 @@ Follows vLLM's TurboQuant KV-cache backend (presets ``turboquant_3bit_nc`` / ``t
 * every token is quantized as it is written (no unquantized tail).
 
 vLLM additionally leaves the first and last two layers unquantized ("boundary protection"); a
-baseline is given no layer index, so here every layer is quantized (as in the issue's reference
-figures, "no unquantized boundary layers").
+baseline is given no layer index, so here every layer is quantized (no unquantized boundary
+layers).
 
 Bytes per token and KV head: keys ``ceil(d*b/8) + 2`` (norm), values ``ceil(d*b/8) + 4`` (scale,
 minimum): at ``head_dim`` 64, 3.375 (3-bit) and 4.375 (4-bit) bits per element.

@@ -45,7 +45,7 @@ class TileCommitter:
         n = s // g
         kt = k.reshape(b * h * n, g, d)  # [B, H, n*G, D] -> [B*H*n, G, D]: tiles in token order
         vt = v.reshape(b * h * n, g, d)
-        encode = quantize_tiles_cpu if kt.device.type == "cpu" else quantize_tiles  # native store: ~8x faster
+        encode = quantize_tiles_cpu if kt.device.type == "cpu" else quantize_tiles  # CPU: the native store kernel
         rec = encode(kt, vt, self.scheme)
         new = rec.view(b, h, n, self.tile_bytes)
         self.records = new if self.records is None else torch.cat([self.records, new], dim=2)

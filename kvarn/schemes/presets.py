@@ -2,7 +2,7 @@
 
 A preset file::
 
-    version: 2                 # schema version, required: 2 (written now) or 1
+    version: 2                 # schema version, required: 2 (what save_preset writes) or 1
     name: kvarn_smollm2_1pct   # the name it is served by, required ([A-Za-z0-9_.-]+)
     key_bits: 4                # 2, 3, 4 or 8
     value_bits: 2              # 2, 3, 4 or 8
@@ -43,7 +43,7 @@ from kvarn.schemes.scheme import LayerOverride, Scheme, SchemeError
 
 SCHEMA_VERSION = 2  # 2: exact first tokens by default (Scheme.sink_tokens = 1); files write sink_tokens
 SUPPORTED_VERSIONS = (1, 2)
-# Defaults of the fields a version omits, where they differ from today's Scheme defaults.
+# Defaults of the fields a version omits, where they differ from the current Scheme defaults.
 _VERSION_DEFAULTS: dict[int, dict[str, Any]] = {1: {"sink_tokens": 0}}
 _SCHEME_FIELDS = ("key_bits", "value_bits", "group_size", "rotation", "norm_iters", "scale_dtype", "sink_tile")
 _OPTIONAL_SCHEME_FIELDS = ("sink_tokens",)  # optional: omitted means the version's default (_VERSION_DEFAULTS)

@@ -24,10 +24,8 @@ heavily, so their rounding error is not averaged away):
   their quantized ones. Cost: ``S`` tokens x keys and values x ``head_dim`` x 16 bits per layer, KV
   head and sequence (+0.002 bits/element at 8192 tokens for S = 1).
 
-The default keeps one exact token because it is most of what a sink buys, measured on more than one
-text (docs/accuracy.md, "Exact first tokens by default"): KL of ``kvarn_k4v2_g128`` without it / with
-S = 1 / with S = 4 on the first 2048 tokens of GPL-3 0.0360 / 0.0159 / 0.0161, of GFDL-1.3 0.0385 /
-0.0184 / 0.0183; over 8192 tokens of GPL-3 + Apache-2.0 0.0454 / 0.0211 (the whole first tile 0.0200).
+The default keeps one exact token because it is most of what a sink buys, on more than one text
+(docs/accuracy.md, "Exact first tokens by default", has the figures and their commands).
 
 Both are per-sequence costs outside :meth:`Scheme.bits_per_element` unless it is given the
 ``context`` length to spread them over. With a sink tile, ``sink_tokens`` is 0: the tile already keeps
