@@ -150,7 +150,7 @@ def bench_ops(
     import torch.nn.functional as F
 
     from kvarn.codec import quantize_tiles
-    from kvarn.kernels import cpu
+    from kvarn.kernels import PagedContext, cpu
     from kvarn.schemes import Scheme
 
     sc = dataclasses.replace(Scheme.from_name(scheme_name), sink_tokens=0)
@@ -172,7 +172,7 @@ def bench_ops(
             tail_v = torch.randn(bsz, h, t, d, generator=g).to(torch.bfloat16)
             lens = torch.full((bsz,), tail, dtype=torch.int32)
             q = torch.randn(bsz, hq, d, generator=g).to(torch.bfloat16)
-            paged = (q, cache, table, tiles, tail_k, tail_v, lens, sc)
+            paged = (q, PagedContext(cache, table, tiles, tail_k, tail_v, lens, sc))
             res = {"kvarn native": _median_ms(functools.partial(cpu.decode_attention, *paged), repeats)}
             if slow:
                 torch_path = functools.partial(cpu.decode_attention, *paged, impl="torch")
@@ -253,7 +253,7 @@ def bench_prefill(
     """Milliseconds of one layer's prefill of a ``chunk`` after each context (see module doc);
     ``vllm_baseline=False`` skips vLLM's CPU attention (importing vLLM takes seconds)."""
     from kvarn.codec import quantize_tiles
-    from kvarn.kernels import cpu
+    from kvarn.kernels import PagedContext, cpu
     from kvarn.schemes import Scheme
 
     sc = dataclasses.replace(Scheme.from_name(scheme_name), sink_tokens=0)
@@ -276,8 +276,8 @@ def bench_prefill(
         q = torch.randn(chunk, hq, d, generator=g).to(torch.bfloat16)
         k, v = (torch.randn(chunk, h, d, generator=g).to(torch.bfloat16) for _ in range(2))
         cu = torch.arange(segs + 1, dtype=torch.int32) * t
-        paged = (cache, table, tiles, tail_k, tail_k, no_tail, sc)
-        attn = functools.partial(cpu.prefill_attention, q, k, v, cu, *paged, tail_slot=no_tail)
+        paged = PagedContext(cache, table, tiles, tail_k, tail_k, no_tail, sc, tail_slot=no_tail)
+        attn = functools.partial(cpu.prefill_attention, q, k, v, cu, paged)
         kt, vt = (x.view(segs, t, h, d).transpose(1, 2) for x in (k, v))
         pages = torch.zeros(segs, h, sc.tile_bytes(d), dtype=torch.uint8)
         store = functools.partial(cpu.store_tiles, kt, vt, pages, torch.arange(segs), sc)

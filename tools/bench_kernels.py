@@ -11,7 +11,7 @@ For each (scheme, batch, context) it times, with ``triton.testing.do_bench``: kv
 over the packed paged cache, torch SDPA over a 16-bit cache (fastest of its backends), and
 FlashAttention's ``flash_attn_with_kvcache`` if installed. It prints microseconds, bytes moved,
 achieved GB/s and the fraction of the copy bandwidth measured in the same run (kvarn: every byte
-its decode call moves, by ``kvarn.kernels.configs.decode_bytes``; 16-bit: keys and values). Without
+its decode call moves, by ``kvarn.kernels.triton.configs.decode_bytes``; 16-bit: keys and values). Without
 a CUDA GPU it says so and exits 0. Shapes that do not fit in free GPU memory are skipped and reported.
 """
 
@@ -103,8 +103,8 @@ def _kvarn_row(
     per-sequence sink, as served: a sink tile replaces the first packed tile.
     """
     from kvarn.codec import quantize_tiles
-    from kvarn.kernels import choose_num_splits, decode_attention
-    from kvarn.kernels.configs import decode_bytes
+    from kvarn.kernels import PagedContext
+    from kvarn.kernels.triton import choose_num_splits, decode_attention, decode_bytes
     from kvarn.schemes import get_scheme
 
     scheme = get_scheme(name)
@@ -128,16 +128,18 @@ def _kvarn_row(
     us = bench(
         lambda: decode_attention(
             q,
-            cache,
-            table,
-            num_tiles,
-            tail,
-            tail,
-            tail_lens,
-            scheme,
-            sink_k=sink_k,
-            sink_v=sink_k,
-            sink_lens=sink_lens,
+            PagedContext(
+                cache,
+                table,
+                num_tiles,
+                tail,
+                tail,
+                tail_lens,
+                scheme,
+                sink_k=sink_k,
+                sink_v=sink_k,
+                sink_lens=sink_lens,
+            ),
             num_splits=splits,
             out=out,
         )
@@ -177,7 +179,7 @@ def bench_store(
     bench: Bench, name: str, batch: int, hkv: int, d: int, decode_us: float | None, dev: str = "cuda"
 ) -> str:
     """Cost of storing one full tile per sequence (every sequence filling a tile in the same step)."""
-    from kvarn.kernels import store_tiles
+    from kvarn.kernels.triton import store_tiles
     from kvarn.schemes import get_scheme
 
     scheme = get_scheme(name)

@@ -8,7 +8,7 @@ Usage::
 
 Prints a table (kernel, variant, registers, spills, shared memory, programs per SM) and exits 1
 when any variant fails to compile, spills registers or needs more shared memory than one block may
-have. The library is :mod:`kvarn.kernels.gate`. Compiled kernels are cached by Triton
+have. The library is ``tools/kernel_gate``. Compiled kernels are cached by Triton
 (``~/.triton/cache``), ptxas results beside them, so a second run takes seconds.
 """
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     args = p.parse_args(argv)
 
-    from kvarn.kernels import gate
+    import kernel_gate as gate
 
     archs = tuple(args.arch)
     variants = gate.full_variants(archs) if args.full else gate.quick_variants(archs)

@@ -20,7 +20,7 @@ import torch
 
 from kvarn.codec import dequantize_tiles, quantize_tiles
 from kvarn.hf.spec import BaselineLike
-from kvarn.kernels.cpu_store import quantize_tiles_cpu
+from kvarn.kernels.cpu.store import quantize_tiles_cpu
 from kvarn.schemes import Scheme
 
 

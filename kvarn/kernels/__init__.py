@@ -1,47 +1,17 @@
-"""Triton kernels generated per scheme: tile store, fused paged decode attention, prefill.
+"""Attention kernels over packed KV tiles, by backend, behind one contract.
 
-Bodies (``@triton.jit``) live in ``_store.py``, ``_decode.py`` and ``_prefill.py``; the launchers in
-:mod:`kvarn.kernels.ops` check arguments, allocate outputs and choose grids; launch options come
-from :mod:`kvarn.kernels.configs`. Every kernel is specialized through ``tl.constexpr`` on the
-scheme (bits, group size, head_dim, rotation, iterations, scale storage): one source for every
-scheme, compiled once per specialization by Triton's cache. Without CUDA, run them under
-``TRITON_INTERPRET=1`` (correctness only).
+* :mod:`kvarn.kernels.api`: the argument both backends take (:class:`PagedContext`), their
+  protocol (:class:`AttentionOps`) and :func:`ops_for`, which picks one for a device.
+* :mod:`kvarn.kernels.triton`: Triton kernels (CUDA; CPU tensors under ``TRITON_INTERPRET=1``).
+* :mod:`kvarn.kernels.cpu`: a native C++ kernel built with ``torch.utils.cpp_extension``, and a
+  vectorized-torch fallback.
 
-The CPU kernels (:mod:`kvarn.kernels.cpu`, :mod:`kvarn.kernels.cpu_store`) do not need Triton, so
-the names below are imported on first use (PEP 562): importing a CPU module of this package does
-not import Triton.
+Importing this package imports neither Triton nor a compiler.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kvarn.kernels._checks import KernelArgumentError
+from kvarn.kernels.api import AttentionOps, PagedContext, ops_for, split_lengths
 
-_LAZY = {
-    "KernelArgumentError": "kvarn.kernels._checks",
-    "KernelConfig": "kvarn.kernels.configs",
-    "decode_configs": "kvarn.kernels.configs",
-    "dequant_configs": "kvarn.kernels.configs",
-    "prefill_configs": "kvarn.kernels.configs",
-    "store_configs": "kvarn.kernels.configs",
-    "choose_num_splits": "kvarn.kernels.ops",
-    "decode_attention": "kvarn.kernels.ops",
-    "prefill_attention": "kvarn.kernels.ops",
-    "quantize_tiles_triton": "kvarn.kernels.ops",
-    "split_lengths": "kvarn.kernels.ops",
-    "store_tiles": "kvarn.kernels.ops",
-}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__all__ = ["AttentionOps", "KernelArgumentError", "PagedContext", "ops_for", "split_lengths"]

@@ -2,34 +2,21 @@
 
 No loop over requests, no host synchronisation, no tensor built from Python lists, no pool
 allocated: the staging and sink pools (allocated at start-up) are read and written in place by
-slot id. CUDA runs the Triton launchers of :mod:`kvarn.kernels.ops`, the CPU the ops of
-:mod:`kvarn.kernels.cpu` (same signatures); tiles are quantized by ``ops.store_tiles`` where the
-ops have it (Triton), else by the reference codec (:func:`kvarn.codec.quantize_tiles`). Tiles are
-stored without the NaN check of ``check_finite`` (a host sync per layer).
+slot id. The ops are the :class:`~kvarn.kernels.api.AttentionOps` of the query's device
+(:func:`ops_for`: Triton on CUDA, the CPU ops elsewhere), over one
+:class:`~kvarn.kernels.api.PagedContext` per layer and step. Tiles are stored without the NaN check
+of ``check_finite`` (a host sync per layer).
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
-from kvarn.codec import quantize_tiles
+from kvarn.kernels.api import AttentionOps, PagedContext, ops_for
 from kvarn.schemes import Scheme
 from kvarn.vllm.step import StepTensors, Writes
 
 Pool = tuple[torch.Tensor, torch.Tensor]  # keys, values: [num_slots, H, rows, D] model dtype
-
-
-def ops_for(device: torch.device) -> ModuleType:
-    """The attention ops for ``device``: Triton launchers on CUDA, vectorized PyTorch on the CPU."""
-    if device.type == "cuda":
-        from kvarn.kernels import ops
-
-        return ops
-    from kvarn.kernels import cpu
-
-    return cpu
 
 
 def _write(pool: Pool, key: torch.Tensor, value: torch.Tensor, w: Writes | None) -> None:
@@ -63,23 +50,15 @@ def store_full_tiles(
     stage: Pool,
     st: StepTensors,
     scheme: Scheme,
-    ops: ModuleType,
+    ops: AttentionOps,
 ) -> None:
-    """Quantize the tiles that became full this step into their pages (``[NB, H, >= tile_bytes]`` uint8),
-    with ``ops.store_tiles`` where the ops have one, else the reference codec."""
+    """Quantize the tiles that became full this step into their pages (``[NB, H, >= tile_bytes]`` uint8)."""
     if st.full_blocks is None:
         return
-    h, d, t = key.shape[1], key.shape[2], scheme.group_size
+    d, t = key.shape[2], scheme.group_size
     k = gather_full_tiles(stage[0], key, st, t, token_dim=2)  # [F, H, T, D]
     v = gather_full_tiles(stage[1], value, st, t, token_dim=2)
-    nbytes = scheme.tile_bytes(d)
-    store = getattr(ops, "store_tiles", None)
-    if store is not None:  # no check_finite: it would cost a host sync per layer
-        store(k, v, pages[:, :, :nbytes], st.full_blocks, scheme)
-        return
-    f = k.shape[0]
-    rec = quantize_tiles(k.reshape(f * h, t, d), v.reshape(f * h, t, d), scheme)  # [F * H, tile_bytes]
-    pages[st.full_blocks, :, :nbytes] = rec.view(f, h, nbytes)
+    ops.store_tiles(k, v, pages[:, :, : scheme.tile_bytes(d)], st.full_blocks, scheme)  # no check_finite: a sync
 
 
 def run_layer(
@@ -93,7 +72,7 @@ def run_layer(
     scheme: Scheme,
     scale: float,
     out: torch.Tensor,
-    ops: ModuleType | None = None,
+    ops: AttentionOps | None = None,
 ) -> None:
     """Commit this step's keys/values, then attend, for one layer.
 
@@ -116,15 +95,14 @@ def run_layer(
     ops = ops or ops_for(query.device)
     store_full_tiles(k, v, pages, stage, st, scheme, ops)
     cache = pages[:, :, : scheme.tile_bytes(query.shape[2])]
-    sinks = {}
-    if sink is not None:
-        sinks = {"sink_k": sink[0], "sink_v": sink[1], "sink_lens": st.sink_lens, "sink_slot": st.sink_slot}
-    paged = (cache, st.block_table, st.num_tiles, stage[0], stage[1], st.tail_lens, scheme)
+    ctx = PagedContext(
+        cache, st.block_table, st.num_tiles, stage[0], stage[1], st.tail_lens, scheme, tail_slot=st.tail_slot,
+        sink_k=sink[0] if sink is not None else None, sink_v=sink[1] if sink is not None else None,
+        sink_lens=st.sink_lens if sink is not None else None, sink_slot=st.sink_slot if sink is not None else None,
+        scale=scale,
+    )  # fmt: skip
     if st.decode:
-        ops.decode_attention(q, *paged, tail_slot=st.tail_slot, sm_scale=scale, out=o, **sinks)
+        ops.decode_attention(q, ctx, out=o)
     else:
-        ops.prefill_attention(
-            q, k, v, st.cu_seqlens, *paged, tail_slot=st.tail_slot, sm_scale=scale,
-            max_query_len=st.max_query_len, out=o, **sinks,
-        )  # fmt: skip
+        ops.prefill_attention(q, k, v, st.cu_seqlens, ctx, max_query_len=st.max_query_len, out=o)
     _write(stage, k, v, st.stage_post)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvarn.kernels.configs import decode_bytes
+from kvarn.kernels.triton import decode_bytes
 from kvarn.schemes import get_scheme
 
 from ._reference import DEVICE

@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from kvarn.kernels.gate import ARCHS, Row, Variant, check_row, parse_ptxas, programs_per_sm, quick_variants
+from tools.kernel_gate import ARCHS, Row, Variant, check_row, parse_ptxas, programs_per_sm, quick_variants
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "compile_gate.py"
 
-# "sm_<arch> <variant name>" -> the measured reason it fails today (xfail, not strict). Empty since
-# prefill at head_dim 256 moved to 8 warps (2026-12-01): every quick variant passed the gate then.
+# "sm_<arch> <variant name>" -> the measured reason it fails (xfail, not strict); empty: every quick
+# variant passes the gate.
 KNOWN_FAILURES: dict[str, str] = {}
 
 
@@ -100,7 +100,7 @@ def test_check_row_names_each_problem() -> None:
 BAD_KERNELS = """
 import triton
 import triton.language as tl
-from kvarn.kernels.gate import compile_call
+from tools.kernel_gate import compile_call
 
 PLAIN = 2.0  # a plain Python float global: the compiler refuses it inside @triton.jit
 

@@ -1,4 +1,4 @@
-"""CPU attention ops (kvarn.kernels.cpu) vs float64 attention over the reference-dequantized context.
+"""CPU attention ops (kvarn.kernels.cpu.ops) vs float64 attention over the reference-dequantized context.
 
 The CPU ops compute in float32: SQNR >= 60 dB against the oracle (they reach ~125 dB with float32
 queries; half-precision inputs are rounded the same way for the oracle).
@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvarn.kernels import KernelArgumentError, cpu, cpu_native
+from kvarn.kernels import KernelArgumentError, PagedContext
+from kvarn.kernels.cpu import native
+from kvarn.kernels.cpu import ops as cpu
 from kvarn.schemes import Scheme
 
 from ._reference import PagedBatch, attention, paged_batch, sqnr_db
@@ -29,7 +31,7 @@ IMPLS = ["torch", "native"] if HAS_COMPILER else ["torch"]
 def test_native_kernel_builds() -> None:
     if not HAS_COMPILER:
         pytest.skip("no C++ compiler: the ops use the torch path")
-    assert cpu_native.library() is not None
+    assert native.extension() is not None
 
 
 def scheme(name: str, sink_tokens: int = 0) -> Scheme:
@@ -78,7 +80,9 @@ def _decode_check(sc: Scheme, lens: list[int], hkv: int, group: int, d: int, poo
     ref = torch.cat([attention(q[b : b + 1], pb.context_k[b], pb.context_v[b]) for b in range(len(lens))])
     for impl in IMPLS:
         out = cpu.decode_attention(
-            q, pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, impl=impl, **a.kwargs
+            q,
+            PagedContext(pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, **a.kwargs),
+            impl=impl,
         )
         assert out.shape == q.shape and out.dtype == q.dtype
         assert sqnr_db(ref, out) >= MIN_SQNR_DB, impl
@@ -150,9 +154,11 @@ def test_decode_half_precision_and_out_buffer() -> None:
         for impl, out_dtype in [(i, dtype) for i in IMPLS] + [("auto", torch.float32)]:
             out = torch.full((2, 4, 64), float("nan"), dtype=out_dtype)
             got = cpu.decode_attention(
-                q, pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, out=out, impl=impl,
-                **a.kwargs,
-            )  # fmt: skip
+                q,
+                PagedContext(pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, **a.kwargs),
+                out=out,
+                impl=impl,
+            )
             assert got is out
             assert sqnr_db(ref, out.float()) >= 40.0, impl  # output rounding of half precision
 
@@ -167,7 +173,10 @@ def test_decode_strided_query_and_output() -> None:
     for impl in IMPLS:
         out = torch.zeros(4, 6, 64)
         cpu.decode_attention(
-            q, pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, sc, out=out[1:3], impl=impl
+            q,
+            PagedContext(pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, sc),
+            out=out[1:3],
+            impl=impl,
         )
         assert sqnr_db(ref, out[1:3]) >= MIN_SQNR_DB, impl
         assert not out[0].any() and not out[3].any()
@@ -180,7 +189,9 @@ def test_decode_sequence_without_tokens_gets_zeros() -> None:
     q = torch.randn(2, 2, 64)
     tiles = torch.tensor([0, 0], dtype=torch.int32)
     for impl in IMPLS:
-        out = cpu.decode_attention(q, pb.cache, pb.block_table, tiles, pb.tail_k, pb.tail_v, lens, sc, impl=impl)
+        out = cpu.decode_attention(
+            q, PagedContext(pb.cache, pb.block_table, tiles, pb.tail_k, pb.tail_v, lens, sc), impl=impl
+        )
         assert torch.equal(out[0], torch.zeros(2, 64))
         assert sqnr_db(attention(q[1:], pb.tail_k[1, :, :5], pb.tail_v[1, :, :5]), out[1:]) >= MIN_SQNR_DB
 
@@ -193,10 +204,10 @@ def test_decode_mixed_dtypes_fall_back_to_torch() -> None:
     args = (q, pb.cache, pb.block_table, pb.num_tiles, pb.tail_k.half(), pb.tail_v.half(), pb.tail_lens, sc)
     if HAS_COMPILER:
         with pytest.raises(KernelArgumentError, match="native"):
-            cpu.decode_attention(*args, impl="native")
+            cpu.decode_attention(args[0], PagedContext(*args[1:]), impl="native")
     ctx_k, ctx_v = pb.context_k[0].clone(), pb.context_v[0].clone()
     ctx_k[:, -3:], ctx_v[:, -3:] = ctx_k[:, -3:].half().float(), ctx_v[:, -3:].half().float()
-    assert sqnr_db(attention(q, ctx_k, ctx_v), cpu.decode_attention(*args)) >= MIN_SQNR_DB
+    assert sqnr_db(attention(q, ctx_k, ctx_v), cpu.decode_attention(args[0], PagedContext(*args[1:]))) >= MIN_SQNR_DB
 
 
 @pytest.mark.parametrize(
@@ -217,7 +228,11 @@ def test_prefill_chunks_after_context(name: str, sink_tokens: int, pooled: bool)
     k, v = torch.randn(total, hkv, d, generator=g), torch.randn(total, hkv, d, generator=g)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     out = cpu.prefill_attention(
-        q, k, v, cu, pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, **a.kwargs
+        q,
+        k,
+        v,
+        cu,
+        PagedContext(pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, **a.kwargs),
     )
     refs = []
     for b in range(len(lens)):
@@ -230,7 +245,7 @@ def test_prefill_chunks_after_context(name: str, sink_tokens: int, pooled: bool)
 
 def test_prefill_short_segments_without_the_native_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the native kernel cannot take the rows, short segments are attended by the prefill path."""
-    monkeypatch.setattr(cpu_native, "prepare", lambda *args, **kw: None)
+    monkeypatch.setattr(native, "decode", lambda *args, **kw: False)
     test_prefill_chunks_after_context("kvarn_k3v2_g32_rot-rh_s8", 4, True)
 
 
@@ -240,23 +255,27 @@ def test_arguments_are_checked_with_names() -> None:
     q = torch.randn(1, 2, 64)
     base = (pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens)
     with pytest.raises(KernelArgumentError, match="query"):
-        cpu.decode_attention(q[0], *base, sc)
+        cpu.decode_attention(q[0], PagedContext(*base, sc))
     with pytest.raises(KernelArgumentError, match="multiple of num_kv_heads"):
-        cpu.decode_attention(torch.randn(1, 3, 64), pb.cache.expand(-1, 2, -1).contiguous(), *base[1:], sc)
+        cpu.decode_attention(
+            torch.randn(1, 3, 64), PagedContext(pb.cache.expand(-1, 2, -1).contiguous(), *base[1:], sc)
+        )
     for impl in IMPLS:  # index checks: on the host (torch), in the kernel before any read (native)
         with pytest.raises(KernelArgumentError, match="tail_slot must hold indices in 0..0"):
-            cpu.decode_attention(q, *base, sc, tail_slot=torch.tensor([1], dtype=torch.int32), impl=impl)
+            cpu.decode_attention(q, PagedContext(*base, sc, tail_slot=torch.tensor([1], dtype=torch.int32)), impl=impl)
         with pytest.raises(KernelArgumentError, match="block ids in 0..3"):
-            cpu.decode_attention(q, pb.cache, pb.block_table + 4, *base[2:], sc, impl=impl)
+            cpu.decode_attention(q, PagedContext(pb.cache, pb.block_table + 4, *base[2:], sc), impl=impl)
         with pytest.raises(KernelArgumentError, match="num_tiles"):
-            cpu.decode_attention(q, pb.cache, pb.block_table, pb.num_tiles + 9, *base[3:], sc, impl=impl)
+            cpu.decode_attention(q, PagedContext(pb.cache, pb.block_table, pb.num_tiles + 9, *base[3:], sc), impl=impl)
     with pytest.raises(KernelArgumentError, match="pass sink_k, sink_v and sink_lens"):
-        cpu.decode_attention(q, *base, scheme("kvarn_k4v2_g32", 2))
+        cpu.decode_attention(q, PagedContext(*base, scheme("kvarn_k4v2_g32", 2)))
     with pytest.raises(KernelArgumentError, match="block_table"):
-        cpu.decode_attention(q, pb.cache, pb.block_table.long(), *base[2:], sc)
+        cpu.decode_attention(q, PagedContext(pb.cache, pb.block_table.long(), *base[2:], sc))
     with pytest.raises(KernelArgumentError, match="cu_seqlens_q must rise from 0 to 3"):
         cu = torch.tensor([0, 2], dtype=torch.int32)
-        cpu.prefill_attention(torch.randn(3, 2, 64), torch.randn(3, 1, 64), torch.randn(3, 1, 64), cu, *base, sc)
+        cpu.prefill_attention(
+            torch.randn(3, 2, 64), torch.randn(3, 1, 64), torch.randn(3, 1, 64), cu, PagedContext(*base, sc)
+        )
 
 
 def test_bench_tool_measures_every_method_and_replaces_its_doc_section(tmp_path: Path) -> None:
@@ -299,7 +318,7 @@ def test_native_decode_is_the_same_on_any_number_of_threads() -> None:
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            outs.append(cpu.decode_attention(*args, impl="native", **kw))
+            outs.append(cpu.decode_attention(args[0], PagedContext(*args[1:], **kw), impl="native"))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
@@ -328,7 +347,7 @@ def test_short_segment_gives_the_bits_of_decoding_token_by_token(
     cu = torch.tensor([0, new], dtype=torch.int32)
     bt, nt = pb.block_table[:1].contiguous(), pb.num_tiles[:1].contiguous()
     verified = cpu.prefill_attention(
-        q, k, v, cu, pb.cache, bt, nt, tail_k, tail_v, pb.tail_lens[:1].contiguous(), sc, **one
+        q, k, v, cu, PagedContext(pb.cache, bt, nt, tail_k, tail_v, pb.tail_lens[:1].contiguous(), sc, **one)
     )  # type: ignore[arg-type]
     slot = int(kw["tail_slot"][0])  # type: ignore[index]
     decoded, batched = [], []
@@ -336,12 +355,14 @@ def test_short_segment_gives_the_bits_of_decoding_token_by_token(
         tail_k[slot, :, staged + i], tail_v[slot, :, staged + i] = k[i], v[i]
         lens = torch.tensor([staged + i + 1], dtype=torch.int32)
         decoded.append(
-            cpu.decode_attention(q[i : i + 1], pb.cache, bt, nt, tail_k, tail_v, lens, sc, impl="native", **one)
+            cpu.decode_attention(
+                q[i : i + 1], PagedContext(pb.cache, bt, nt, tail_k, tail_v, lens, sc, **one), impl="native"
+            )
         )  # type: ignore[arg-type]
         lens2 = torch.cat([lens, pb.tail_lens[1:]])
         q2 = torch.cat([q[i : i + 1], q[i : i + 1]])
         both = cpu.decode_attention(
-            q2, pb.cache, pb.block_table, pb.num_tiles, tail_k, tail_v, lens2, sc, impl="native", **kw
+            q2, PagedContext(pb.cache, pb.block_table, pb.num_tiles, tail_k, tail_v, lens2, sc, **kw), impl="native"
         )  # type: ignore[arg-type]
         batched.append(both[:1])
     assert torch.equal(torch.cat(decoded), verified)
@@ -361,7 +382,7 @@ def test_prefill_segments_sharing_tiles() -> None:
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(9, n, 64, generator=g) for n in (2, 1, 1))
     cu = torch.tensor([0, 4, 6, 9], dtype=torch.int32)
-    out = cpu.prefill_attention(q, k, v, cu, pb.cache, table, tiles, *rows, tails, sc, **sinks)  # type: ignore[arg-type]
+    out = cpu.prefill_attention(q, k, v, cu, PagedContext(pb.cache, table, tiles, *rows, tails, sc, **sinks))  # type: ignore[arg-type]
     refs = []
     for i, ctx_len in enumerate([32, 64, 3 * 32 + 7]):
         s, e = int(cu[i]), int(cu[i + 1])
@@ -371,7 +392,7 @@ def test_prefill_segments_sharing_tiles() -> None:
     assert sqnr_db(torch.cat(refs), out) >= MIN_SQNR_DB
 
 
-# --- the native store (kvarn.kernels.cpu_store) against the reference codec ---------------------------------------
+# --- the native store (kvarn.kernels.cpu.store) against the reference codec ---------------------------------------
 
 STORE_CASES = [  # (scheme, head_dim, dtype): bit widths 2/3/4/8, tiles 32..128, fp16 and log8 params, rotations
     ("kvarn_k4v2_g128", 64, torch.bfloat16),
@@ -403,7 +424,7 @@ def store_inputs(
 
 
 def assert_store_matches_reference(out: torch.Tensor, ref: torch.Tensor, sc: Scheme, d: int, x: tuple) -> None:
-    """The native store's tolerance (kvarn.kernels.cpu_store_src): most records byte for byte; in the
+    """The native store's tolerance (kvarn.kernels.cpu.store): most records byte for byte; in the
     rest, codes within one (>= 99.9% equal), each stored param within two fp16 steps or log8 codes, and
     the tile's reconstruction error within 0.1% of the reference's."""
     from kvarn.codec import decode_records, dequantize_tiles
@@ -440,7 +461,7 @@ def assert_store_matches_reference(out: torch.Tensor, ref: torch.Tensor, sc: Sch
 @pytest.mark.parametrize(("name", "d", "dtype"), STORE_CASES)
 def test_native_store_matches_the_reference_codec(name: str, d: int, dtype: torch.dtype) -> None:
     from kvarn.codec import quantize_tiles
-    from kvarn.kernels.cpu_store import store_tiles
+    from kvarn.kernels.cpu.store import store_tiles
 
     sc = Scheme.from_name(name)
     n, h, t = 6, 2, sc.group_size
@@ -459,7 +480,7 @@ def test_native_store_matches_the_reference_codec(name: str, d: int, dtype: torc
 def test_native_store_is_byte_identical_on_typical_tiles() -> None:
     """On the kernel tests' usual tiles (kv_tiles) every record is byte for byte the reference's."""
     from kvarn.codec import quantize_tiles
-    from kvarn.kernels.cpu_store import store_tiles
+    from kvarn.kernels.cpu.store import store_tiles
 
     from ._reference import kv_tiles
 
@@ -477,7 +498,7 @@ def test_native_store_strided_input_into_page_views_on_any_number_of_threads() -
     [F, T, H, D].transpose(1, 2); pages wider than a record (only the record's bytes are written).
     Tasks are independent: the same bytes on 1, 2 or 3 threads."""
     from kvarn.codec import quantize_tiles
-    from kvarn.kernels.cpu_store import store_tiles
+    from kvarn.kernels.cpu.store import store_tiles
 
     sc = Scheme.from_name("kvarn_k4v2_g128")
     d, h, t = 64, 3, sc.group_size
@@ -500,7 +521,7 @@ def test_native_store_strided_input_into_page_views_on_any_number_of_threads() -
 
 
 def test_store_arguments_are_checked_with_names() -> None:
-    from kvarn.kernels.cpu_store import store_tiles
+    from kvarn.kernels.cpu.store import store_tiles
 
     sc = Scheme.from_name("kvarn_k4v2_g32")
     k = torch.randn(2, 1, 32, 64)
@@ -527,7 +548,7 @@ def test_store_arguments_are_checked_with_names() -> None:
 def test_reference_store_writes_the_codec_records() -> None:
     """``impl="reference"`` (the fallback without a compiler): the reference records, scattered."""
     from kvarn.codec import quantize_tiles
-    from kvarn.kernels.cpu_store import store_tiles
+    from kvarn.kernels.cpu.store import store_tiles
 
     sc = Scheme.from_name("kvarn_k4v2_g32")
     k, v = (torch.randn(2, 2, 32, 64, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
@@ -556,17 +577,14 @@ def test_quantize_tiles_cpu_is_a_drop_in_for_the_reference_codec() -> None:
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: no native kernel")
-def test_remembered_layers_take_new_step_tensors_and_still_check_indices(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_remembered_layers_take_new_step_tensors_and_still_check_indices() -> None:
     """vLLM's pattern: the same pools and pages every step, new index tensors each step, an output
-    buffer. After a layer's first call the fast path sets only the step's tensors: the results
-    stay bitwise the full path's over steps and layers; bad indices still raise by name."""
+    buffer: the results stay bitwise those without an output buffer over steps and layers; bad
+    indices still raise by name."""
     sc = scheme("kvarn_k4v2_g32", 2)
     layers = [paged_batch(sc, [5 * 32 + 3, 2 * 32 + 7, 9], 2, 64, seed=s) for s in (1, 2)]
     pools = [staging(sc, pb, True, seed=s) for s, pb in enumerate(layers)]
     g = torch.Generator().manual_seed(5)
-    prepared = []
-    real_prepare = cpu_native.prepare
-    monkeypatch.setattr(cpu_native, "prepare", lambda *a: prepared.append(1) or real_prepare(*a))
     for step in range(3):
         # a new step: new tensor objects, lengths moved on by one token
         tails = [(pb.tail_lens + step).clamp(max=32).clone() for pb in layers]
@@ -574,21 +592,21 @@ def test_remembered_layers_take_new_step_tensors_and_still_check_indices(monkeyp
         for pb, a, tail in zip(layers, pools, tails, strict=True):
             args = (q, pb.cache, pb.block_table.clone(), pb.num_tiles.clone(), a.tail_k, a.tail_v, tail, sc)
             kw = {k: (None if v is None else v.clone() if v.dtype == torch.int32 else v) for k, v in a.kwargs.items()}
-            before = len(prepared)
-            fast = cpu.decode_attention(*args, out=torch.empty(3, 4, 64), impl="native", **kw)  # type: ignore[arg-type]
-            assert len(prepared) == before + (step == 0)  # the full path only on a layer's first call
-            full = cpu.decode_attention(*args, impl="native", **kw)  # type: ignore[arg-type]  # no out: full path
+            fast = cpu.decode_attention(
+                args[0], PagedContext(*args[1:], **kw), out=torch.empty(3, 4, 64), impl="native"
+            )  # type: ignore[arg-type]
+            full = cpu.decode_attention(args[0], PagedContext(*args[1:], **kw), impl="native")  # type: ignore[arg-type]
             assert torch.equal(fast, full)
-            again = cpu.decode_attention(*args, out=torch.empty(3, 4, 64), **kw)  # type: ignore[arg-type]
+            again = cpu.decode_attention(args[0], PagedContext(*args[1:], **kw), out=torch.empty(3, 4, 64))  # type: ignore[arg-type]
             assert torch.equal(again, full)
     pb, a = layers[0], pools[0]
     base = (pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc)
-    cpu.decode_attention(q, *base, out=torch.empty(3, 4, 64), **a.kwargs)  # type: ignore[arg-type]
+    cpu.decode_attention(q, PagedContext(*base, **a.kwargs), out=torch.empty(3, 4, 64))  # type: ignore[arg-type]
     with pytest.raises(KernelArgumentError, match="block ids in 0"):
         bad = (pb.cache, pb.block_table + 100, *base[2:])
-        cpu.decode_attention(q, *bad, out=torch.empty(3, 4, 64), **a.kwargs)  # type: ignore[arg-type]
+        cpu.decode_attention(q, PagedContext(*bad, **a.kwargs), out=torch.empty(3, 4, 64))  # type: ignore[arg-type]
     with pytest.raises(KernelArgumentError, match="impl='fast' is not one of"):
-        cpu.decode_attention(q, *base, out=torch.empty(3, 4, 64), impl="fast", **a.kwargs)  # type: ignore[arg-type]
-    as_long = (pb.cache, pb.block_table, pb.num_tiles.long(), *base[3:])  # converted on the full path
+        cpu.decode_attention(q, PagedContext(*base, **a.kwargs), out=torch.empty(3, 4, 64), impl="fast")  # type: ignore[arg-type]
+    as_long = (pb.cache, pb.block_table, pb.num_tiles.long(), *base[3:])
     with pytest.raises(KernelArgumentError, match="num_tiles dtype"):
-        cpu.decode_attention(q, *as_long, out=torch.empty(3, 4, 64), **a.kwargs)  # type: ignore[arg-type]
+        cpu.decode_attention(q, PagedContext(*as_long, **a.kwargs), out=torch.empty(3, 4, 64))  # type: ignore[arg-type]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvarn.codec import dequantize_tiles
-from kvarn.kernels import KernelArgumentError, choose_num_splits, decode_attention, split_lengths
+from kvarn.kernels import KernelArgumentError, PagedContext, split_lengths
+from kvarn.kernels.triton import choose_num_splits, decode_attention
 from kvarn.schemes import BUILTINS, Scheme
 
 from ._reference import DEVICE, PagedBatch, attention, named, paged_batch, sqnr_db
@@ -20,9 +21,21 @@ MIN_SQNR_DB = 40.0
 
 def _run(scheme: Scheme, pb: PagedBatch, q: torch.Tensor, num_splits: int | None) -> torch.Tensor:
     return decode_attention(
-        q, pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, scheme,
-        sink_k=pb.sink_k, sink_v=pb.sink_v, sink_lens=pb.sink_lens, num_splits=num_splits,
-    )  # fmt: skip
+        q,
+        PagedContext(
+            pb.cache,
+            pb.block_table,
+            pb.num_tiles,
+            pb.tail_k,
+            pb.tail_v,
+            pb.tail_lens,
+            scheme,
+            sink_k=pb.sink_k,
+            sink_v=pb.sink_v,
+            sink_lens=pb.sink_lens,
+        ),
+        num_splits=num_splits,
+    )
 
 
 def _check(
@@ -132,7 +145,9 @@ def test_decode_rejects_bad_arguments() -> None:
     with pytest.raises(KernelArgumentError, match="multiple of num_kv_heads"):
         _run(scheme, pb, q[:, :5], 1)
     with pytest.raises(KernelArgumentError, match="block_table dtype torch.int64"):
-        decode_attention(q, pb.cache, pb.block_table.long(), pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, scheme)
+        decode_attention(
+            q, PagedContext(pb.cache, pb.block_table.long(), pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, scheme)
+        )
     with pytest.raises(KernelArgumentError, match="keeps a sink tile"):
         _run(named("kvarn_k4v2_g32_sink"), pb, q, 1)
     with pytest.raises(KernelArgumentError, match="cache must have shape"):
@@ -145,14 +160,19 @@ def test_decode_sink_tokens_require_sink_arguments() -> None:
     q = torch.randn(1, 4, 64, device=DEVICE)
     args = (q, pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, scheme)
     with pytest.raises(KernelArgumentError, match="keeps its first 2 tokens exactly: pass sink_k"):
-        decode_attention(*args)
+        decode_attention(args[0], PagedContext(*args[1:]))
     with pytest.raises(KernelArgumentError, match="go together"):
-        decode_attention(*args, sink_k=pb.sink_k, sink_v=pb.sink_v)
+        decode_attention(args[0], PagedContext(*args[1:], sink_k=pb.sink_k, sink_v=pb.sink_v))
     assert pb.sink_k is not None
     with pytest.raises(KernelArgumentError, match="sink_v must have shape"):
-        decode_attention(*args, sink_k=pb.sink_k[:, :, :2], sink_v=pb.sink_v, sink_lens=pb.sink_lens)
+        decode_attention(
+            args[0], PagedContext(*args[1:], sink_k=pb.sink_k[:, :, :2], sink_v=pb.sink_v, sink_lens=pb.sink_lens)
+        )
     with pytest.raises(KernelArgumentError, match="sink_k holds 1 tokens per slot"):
-        decode_attention(*args, sink_k=pb.sink_k[:, :, :1], sink_v=pb.sink_v[:, :, :1], sink_lens=pb.sink_lens)
+        decode_attention(
+            args[0],
+            PagedContext(*args[1:], sink_k=pb.sink_k[:, :, :1], sink_v=pb.sink_v[:, :, :1], sink_lens=pb.sink_lens),
+        )
 
 
 @pytest.mark.gpu

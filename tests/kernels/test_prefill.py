@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvarn.codec import dequantize_tiles
-from kvarn.kernels import KernelArgumentError, KernelConfig, prefill_attention
+from kvarn.kernels import KernelArgumentError, PagedContext
+from kvarn.kernels.triton import KernelConfig, prefill_attention
 from kvarn.schemes import Scheme
 
 from ._reference import DEVICE, PagedBatch, attention, named, paged_batch, sqnr_db
@@ -33,10 +34,24 @@ def _run(
     scheme: Scheme, pb: PagedBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor
 ) -> torch.Tensor:
     return prefill_attention(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cu.to(DEVICE), pb.cache, pb.block_table, pb.num_tiles,
-        pb.tail_k, pb.tail_v, pb.tail_lens, scheme, sink_k=pb.sink_k, sink_v=pb.sink_v, sink_lens=pb.sink_lens,
+        q.to(DEVICE),
+        k.to(DEVICE),
+        v.to(DEVICE),
+        cu.to(DEVICE),
+        PagedContext(
+            pb.cache,
+            pb.block_table,
+            pb.num_tiles,
+            pb.tail_k,
+            pb.tail_v,
+            pb.tail_lens,
+            scheme,
+            sink_k=pb.sink_k,
+            sink_v=pb.sink_v,
+            sink_lens=pb.sink_lens,
+        ),
         config=SMALL,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize(
@@ -105,11 +120,11 @@ def test_prefill_is_causal() -> None:
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(12, 2 if i == 0 else 1, 64, generator=g).to(DEVICE) for i in range(3))
     cu = torch.tensor([0, 12], dtype=torch.int32, device=DEVICE)
-    args = (cu, pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, scheme)
-    a = prefill_attention(q, k, v, *args, config=SMALL)
+    ctx = PagedContext(pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, scheme)
+    a = prefill_attention(q, k, v, cu, ctx, config=SMALL)
     k2, v2 = k.clone(), v.clone()
     k2[-1] += 5
     v2[-1] -= 5
-    b = prefill_attention(q, k2, v2, *args, config=SMALL)
+    b = prefill_attention(q, k2, v2, cu, ctx, config=SMALL)
     assert torch.equal(a[:-1], b[:-1])
     assert not torch.allclose(a[-1], b[-1])

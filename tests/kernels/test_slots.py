@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from kvarn.kernels import KernelArgumentError, decode_attention, prefill_attention
+from kvarn.kernels import KernelArgumentError, PagedContext
+from kvarn.kernels.triton import decode_attention, prefill_attention
 from kvarn.schemes import Scheme
 
 from ._reference import DEVICE, PagedBatch, Pools, attention, named, paged_batch, sqnr_db, to_pools, with_tails
@@ -22,14 +23,39 @@ MIN_SQNR_DB = 40.0
 def _decode(s: Scheme, pb: PagedBatch, q: torch.Tensor, pools: Pools | None, splits: int = 1) -> torch.Tensor:
     if pools is None:
         return decode_attention(
-            q, pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, s,
-            sink_k=pb.sink_k, sink_v=pb.sink_v, sink_lens=pb.sink_lens, num_splits=splits,
-        )  # fmt: skip
+            q,
+            PagedContext(
+                pb.cache,
+                pb.block_table,
+                pb.num_tiles,
+                pb.tail_k,
+                pb.tail_v,
+                pb.tail_lens,
+                s,
+                sink_k=pb.sink_k,
+                sink_v=pb.sink_v,
+                sink_lens=pb.sink_lens,
+            ),
+            num_splits=splits,
+        )
     return decode_attention(
-        q, pb.cache, pb.block_table, pb.num_tiles, pools.tail_k, pools.tail_v, pb.tail_lens, s,
-        tail_slot=pools.tail_slot, sink_k=pools.sink_k, sink_v=pools.sink_v, sink_lens=pb.sink_lens,
-        sink_slot=pools.sink_slot, num_splits=splits,
-    )  # fmt: skip
+        q,
+        PagedContext(
+            pb.cache,
+            pb.block_table,
+            pb.num_tiles,
+            pools.tail_k,
+            pools.tail_v,
+            pb.tail_lens,
+            s,
+            tail_slot=pools.tail_slot,
+            sink_k=pools.sink_k,
+            sink_v=pools.sink_v,
+            sink_lens=pb.sink_lens,
+            sink_slot=pools.sink_slot,
+        ),
+        num_splits=splits,
+    )
 
 
 def _decode_ref(pb: PagedBatch, q: torch.Tensor) -> torch.Tensor:
@@ -87,10 +113,26 @@ def _prefill(s: Scheme, pb: PagedBatch, new: list[int], group: int, pools: Pools
     q, k, v = (torch.randn(total, h, d, generator=g) for h in (hkv * group, hkv, hkv))
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
     out = prefill_attention(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cu.to(DEVICE), pb.cache, pb.block_table, pb.num_tiles,
-        pools.tail_k, pools.tail_v, pb.tail_lens, s, tail_slot=pools.tail_slot, sink_k=pools.sink_k,
-        sink_v=pools.sink_v, sink_lens=pb.sink_lens, sink_slot=pools.sink_slot, max_query_len=max(new),
-    )  # fmt: skip
+        q.to(DEVICE),
+        k.to(DEVICE),
+        v.to(DEVICE),
+        cu.to(DEVICE),
+        PagedContext(
+            pb.cache,
+            pb.block_table,
+            pb.num_tiles,
+            pools.tail_k,
+            pools.tail_v,
+            pb.tail_lens,
+            s,
+            tail_slot=pools.tail_slot,
+            sink_k=pools.sink_k,
+            sink_v=pools.sink_v,
+            sink_lens=pb.sink_lens,
+            sink_slot=pools.sink_slot,
+        ),
+        max_query_len=max(new),
+    )
     refs = []
     for b in range(len(new)):
         rows = slice(int(cu[b]), int(cu[b + 1]))
@@ -131,13 +173,22 @@ def test_pool_arguments_are_checked() -> None:
     base = (q, pb.cache, pb.block_table, pb.num_tiles, pools.tail_k, pools.tail_v, pb.tail_lens, s)
     sink = {"sink_k": pools.sink_k, "sink_v": pools.sink_v, "sink_lens": pb.sink_lens}
     with pytest.raises(KernelArgumentError, match="tail_k must have shape \\[2, 1, \\*, 64\\]"):
-        decode_attention(*base, **sink, sink_slot=pools.sink_slot)  # a 3-slot pool without tail_slot
+        decode_attention(
+            base[0], PagedContext(*base[1:], **sink, sink_slot=pools.sink_slot)
+        )  # a 3-slot pool without tail_slot
     with pytest.raises(KernelArgumentError, match="tail_slot dtype torch.int64"):
-        decode_attention(*base, tail_slot=pools.tail_slot.long(), **sink, sink_slot=pools.sink_slot)
+        decode_attention(
+            base[0], PagedContext(*base[1:], tail_slot=pools.tail_slot.long(), **sink, sink_slot=pools.sink_slot)
+        )
     with pytest.raises(KernelArgumentError, match="sink_slot must have shape \\[2\\]"):
-        decode_attention(*base, tail_slot=pools.tail_slot, **sink, sink_slot=pools.sink_slot[:1])
+        decode_attention(
+            base[0], PagedContext(*base[1:], tail_slot=pools.tail_slot, **sink, sink_slot=pools.sink_slot[:1])
+        )
     with pytest.raises(KernelArgumentError, match="sink_slot without sink_k"):
-        decode_attention(*base[:-1], named("kvarn_k4v2_g32"), tail_slot=pools.tail_slot, sink_slot=pools.sink_slot)
+        decode_attention(
+            base[:-1][0],
+            PagedContext(*base[:-1][1:], named("kvarn_k4v2_g32"), tail_slot=pools.tail_slot, sink_slot=pools.sink_slot),
+        )
 
 
 def test_decode_and_prefill_do_not_synchronise_with_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,10 +210,26 @@ def test_decode_and_prefill_do_not_synchronise_with_the_host(monkeypatch: pytest
     nq, nk, nv = (torch.randn(sum(new), h, 64, generator=g).to(DEVICE) for h in (group, 1, 1))
     cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=DEVICE)
     prefill_attention(
-        nq, nk, nv, cu, pb.cache, pb.block_table, pb.num_tiles, pools.tail_k, pools.tail_v, pb.tail_lens, s,
-        tail_slot=pools.tail_slot, sink_k=pools.sink_k, sink_v=pools.sink_v, sink_lens=pb.sink_lens,
-        sink_slot=pools.sink_slot, max_query_len=max(new),
-    )  # fmt: skip
+        nq,
+        nk,
+        nv,
+        cu,
+        PagedContext(
+            pb.cache,
+            pb.block_table,
+            pb.num_tiles,
+            pools.tail_k,
+            pools.tail_v,
+            pb.tail_lens,
+            s,
+            tail_slot=pools.tail_slot,
+            sink_k=pools.sink_k,
+            sink_v=pools.sink_v,
+            sink_lens=pb.sink_lens,
+            sink_slot=pools.sink_slot,
+        ),
+        max_query_len=max(new),
+    )
     monkeypatch.undo()
     assert torch.equal(out, expected)
 
@@ -174,9 +241,20 @@ def test_sink_arguments_for_a_scheme_without_sink_are_refused() -> None:
     q = torch.randn(1, 2, 64, device=DEVICE)
     with pytest.raises(KernelArgumentError, match="keeps no sink"):
         decode_attention(
-            q, pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, s,
-            sink_k=pb.tail_k, sink_v=pb.tail_v, sink_lens=pb.tail_lens,
-        )  # fmt: skip
+            q,
+            PagedContext(
+                pb.cache,
+                pb.block_table,
+                pb.num_tiles,
+                pb.tail_k,
+                pb.tail_v,
+                pb.tail_lens,
+                s,
+                sink_k=pb.tail_k,
+                sink_v=pb.tail_v,
+                sink_lens=pb.tail_lens,
+            ),
+        )
 
 
 def test_records_in_wider_pages() -> None:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvarn.codec import decode_records, quantize_tiles
-from kvarn.kernels import KernelArgumentError, KernelConfig, quantize_tiles_triton, store_tiles
+from kvarn.kernels import KernelArgumentError
+from kvarn.kernels.triton import KernelConfig, quantize_tiles_triton, store_tiles
 from kvarn.schemes import BUILTINS, Scheme
 
 from ._reference import DEVICE, kv_tiles

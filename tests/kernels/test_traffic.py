@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvarn.kernels import choose_num_splits
-from kvarn.kernels.configs import decode_bytes
+from kvarn.kernels.triton import choose_num_splits, decode_bytes
 
 from ._reference import named
 

@@ -183,7 +183,7 @@ def test_layer_forward_does_no_host_work(scheme: Scheme, monkeypatch: pytest.Mon
 
 
 def _triton_ops_take_slots() -> bool:
-    from kvarn.kernels import ops
+    from kvarn.kernels.triton import ops
 
     return "tail_slot" in inspect.signature(ops.decode_attention).parameters
 
@@ -195,7 +195,8 @@ def test_triton_ops_path_matches_cpu_ops_without_host_work(scheme: Scheme) -> No
     outputs on prefill, mixed and decode steps, and does no host work in the backend."""
     if not _triton_ops_take_slots():
         pytest.skip("kvarn.kernels.ops does not take tail_slot/sink_slot yet")
-    from kvarn.kernels import cpu, ops
+    from kvarn.kernels import cpu
+    from kvarn.kernels.triton import ops
 
     with pytest.MonkeyPatch.context() as mp:
         triton_outs = _run_steps(scheme, ops, mp)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn.kernels._decode import NEVER, attend_plain, attend_tiles, rotated_query, slot_of
+from kvarn.kernels.triton._decode import NEVER, attend_plain, attend_tiles, rotated_query, slot_of
 
 
 @triton.jit

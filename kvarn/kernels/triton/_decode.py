@@ -8,11 +8,10 @@ One program serves one (sequence, KV head, split): the query heads of that KV he
 sub-blocks of ``BT`` tokens: packed codes load as int32 words (``D * bits / 32`` per token row),
 unpack in registers and enter ``tl.dot`` as float16 (codes of up to 8 bits are exact there); the
 float side of each product is scaled per row into [-1, 1] and rounded to float16
-(:func:`to_fp16_rows`): 11 mantissa bits on one operand, against TF32's 10 on both. (A second,
-low fp16 part measured 32-64 more registers per thread for the ``[16, D]`` operand every warp
-holds whole, and spills at head_dim 256. float16, not bfloat16: Triton 3.9's interpreter computes
-bfloat16 dots on the raw bits, so bfloat16 could not be proven against the reference on CPU.)
-Unquantized tokens use three TF32 products. With ``k = (code * ks + ko) * kf`` (keys: scale and zero point
+(:func:`to_fp16_rows`): 11 mantissa bits on one operand, against TF32's 10 on both; one fp16
+part only, since a second, low part costs registers for the ``[16, D]`` operand every warp holds
+whole. float16, not bfloat16, because the interpreter's bfloat16 dots cannot be checked against
+the reference on CPU. Unquantized tokens use three TF32 products. With ``k = (code * ks + ko) * kf`` (keys: scale and zero point
 per channel, factor per token) the scores are ``kf[t] * ((q * ks) . code[t] + q . ko)``; with
 ``v = (code * vs + vo) * vf`` the output update is ``vf * ((p * vs) @ code + p . vo)``.
 Scores use base 2 (``sm_scale * log2(e)`` is folded into the query). The packed part of the
@@ -177,8 +176,8 @@ def attend_plain(
     """Attend ``n_keys`` unquantized, unrotated keys (rows ``stride_t`` apart at ``k_ptr``/``v_ptr``).
 
     The query (``q_rows`` ``[M, 1]`` pointers, masked by ``qmask``) is read in chunks of ``DC``
-    channels for the scores, so no ``[M, D]`` float32 dot operand is held whole (measured: at head
-    dim 256 that alone spilled). Query row ``r`` sees key ``j`` only when ``j <= row_last[r]``
+    channels for the scores, so no ``[M, D]`` float32 dot operand is held whole (at head_dim 256
+    it alone would not fit in registers). Query row ``r`` sees key ``j`` only when ``j <= row_last[r]``
     (causal new tokens; ``NEVER`` otherwise). The values go to ``acc_p`` when ``ROTATE`` (merged
     after un-rotating ``acc_r``), else straight into ``acc_r``. Returns ``(m, lsum, acc_r, acc_p)``.
     """

@@ -1,43 +1,37 @@
-"""Store full tiles into the paged cache on the CPU: :func:`store_tiles`, the CPU twin of ``ops.store_tiles``.
+"""Store full tiles into the paged cache on the CPU: :func:`store_tiles`, and the same store as a
+drop-in for the reference codec's ``quantize_tiles`` (:func:`quantize_tiles_cpu`).
 
-The native path (C++ in :mod:`kvarn.kernels.cpu_store_src`, built into the decode kernel's library
-by :mod:`kvarn.kernels.cpu_native`) rotates in torch with the reference's own call, then encodes
-each side of each tile in one OpenMP task; 7-10x faster than the reference codec per thread (see
-``docs/cpu_serving.md``). Without the library, ``impl="reference"`` runs the reference codec
-(:func:`kvarn.codec.quantize_tiles`) and scatters its records. :func:`quantize_tiles_cpu` is the
-same store as a drop-in for the reference codec's ``quantize_tiles`` (records in, no cache).
+The native path (``store.cpp``, built by :mod:`.native`) rotates in torch with the reference's own
+call, then encodes each side of each tile in one OpenMP task, following
+:func:`kvarn.codec.tiles._encode_side` step for step: every Sinkhorn iterate 0..ITERS, fp16 or log8
+storage of factors, scales and zero points, ``floor(x + 0.5)`` rounding, the iterate with the least
+squared error, bit-plane packing. Element-wise float32 operations are the reference's, one for one
+(divisions stay divisions; no fused multiply-add contraction). Where the reference's rounding
+cannot be reproduced without torch's own vector math library the native code is as exact or more:
+``exp``/``log`` through double precision rounded once, standard deviations and squared errors
+summed in double; the Sinkhorn means follow torch's float32 summation order. One deliberate change
+for speed: the Sinkhorn step's ``exp(-log_r - log_c)`` is taken as ``exp(-log_r) * exp(-log_c)``
+(``T + D`` exponentials per step instead of ``T * D``). So records are byte-identical to the
+reference for most tiles and otherwise differ where a stored factor or scale rounds to the
+neighbouring fp16 value (or log8 code), or where two iterates' errors nearly tie. Speed against
+the reference codec: ``docs/cpu_serving.md``. Without the extension, ``impl="auto"`` runs the
+reference codec (:func:`kvarn.codec.quantize_tiles`) and scatters its records.
 """
 
 from __future__ import annotations
-
-import ctypes
 
 import torch
 
 from kvarn.codec import quantize_tiles
 from kvarn.codec.rotation import rotate
-from kvarn.codec.tiles import layout
-from kvarn.kernels import cpu_native
 from kvarn.kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, KernelArgumentError, check_tensor, log8_table
-from kvarn.kernels.cpu_args import CPU
+from kvarn.kernels.cpu import native
+from kvarn.kernels.cpu._checks import CPU
 from kvarn.schemes.scheme import Scheme
 
 __all__ = ["quantize_tiles_cpu", "store_tiles"]
 
 IMPLS = ("auto", "native", "reference")
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-
-
-class _StoreArgs(ctypes.Structure):
-    """Mirror of ``struct StoreArgs`` in the C++ source (every field 8 bytes, same order)."""
-
-    _fields_ = [
-        *((n, _I) for n in ("N", "H", "T", "D", "KB", "VB", "LOG8", "ITERS", "NTHREADS")),
-        *((n, _I) for n in ("KC", "VC", "KS", "KO", "KF", "VS", "VO", "VF")),
-        ("keys", _P), ("values", _P), ("cache", _P), ("cache_sb", _I), ("cache_sh", _I),
-        ("block_ids", _P), ("lut", _P),
-    ]  # fmt: skip
 
 
 def store_tiles(
@@ -66,8 +60,7 @@ def store_tiles(
 
     Records match :func:`kvarn.codec.quantize_tiles` byte for byte for most tiles; the rest differ
     by one fp16 step (or log8 code) in a factor, scale or zero point, or pick a neighbouring
-    Sinkhorn iterate whose error ties the reference's within float32 rounding (see
-    :mod:`kvarn.kernels.cpu_store_src`).
+    Sinkhorn iterate whose error ties the reference's within float32 rounding (module doc).
     """
     if keys.dim() != 4:
         raise KernelArgumentError(
@@ -92,8 +85,8 @@ def store_tiles(
         raise KernelArgumentError(f"block_ids must be block ids in 0..{cache.shape[0] - 1}, got {block_ids.tolist()}")
     if check_finite and not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
         raise ValueError("keys or values contain inf or NaN; the codec refuses to store a poisoned tile")
-    lib = cpu_native.library() if impl != "reference" else None
-    if lib is None:
+    ext = native.extension() if impl != "reference" else None
+    if ext is None:
         if impl == "native":
             raise KernelArgumentError("impl='native': the native CPU library is not built (see the warning logged)")
         rec = quantize_tiles(keys.reshape(n * h, t, d), values.reshape(n * h, t, d), scheme)
@@ -102,15 +95,7 @@ def store_tiles(
     # the reference's own rotation call, on the same [tiles, T, D] shape: same float32 results
     kr = rotate(keys.reshape(n * h, t, d), scheme.rotation).contiguous()
     vr = rotate(values.reshape(n * h, t, d), scheme.rotation).contiguous()
-    lay = layout(scheme, d)
-    a = _StoreArgs()
-    a.N, a.H, a.T, a.D, a.KB, a.VB = n, h, t, d, scheme.key_bits, scheme.value_bits
-    a.LOG8, a.ITERS, a.NTHREADS = scheme.scale_dtype == "log8", scheme.norm_iters, torch.get_num_threads()
-    a.KC, a.VC, a.KS, a.KO, a.KF = lay.key_codes, lay.value_codes, lay.key_scale, lay.key_offset, lay.key_factor
-    a.VS, a.VO, a.VF = lay.value_scale, lay.value_offset, lay.value_factor
-    a.keys, a.values, a.block_ids, a.lut = kr.data_ptr(), vr.data_ptr(), ids.data_ptr(), log8_table(CPU).data_ptr()
-    a.cache, a.cache_sb, a.cache_sh = cache.data_ptr(), cache.stride(0), cache.stride(1)
-    lib.kvarn_store(ctypes.byref(a))
+    ext.store(kr, vr, cache, ids, log8_table(CPU), native.store_record(scheme, d), torch.get_num_threads())
 
 
 def quantize_tiles_cpu(keys: torch.Tensor, values: torch.Tensor, scheme: Scheme) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Vectorized PyTorch attention over packed tiles: the portable CPU path behind :mod:`kvarn.kernels.cpu`.
+"""Vectorized PyTorch attention over packed tiles: the portable CPU path behind :mod:`kvarn.kernels.cpu.ops`.
 
 Decode attends the records directly, batched over requests, KV heads and tiles, the way the GPU
 kernel does: with ``kq, vq`` the codes of a tile in the rotated domain,
@@ -19,23 +19,23 @@ import torch.nn.functional as F
 
 from kvarn.codec.rotation import rotation_matrix
 from kvarn.codec.tiles import decode_records, dequantize_tiles
-from kvarn.kernels.cpu_args import Paged
+from kvarn.kernels.api import PagedContext
 
 PREFILL_GROUPS = 4  # SDPA calls per prefill, sequences grouped by context length
 
 
-def exact_rows(p: Paged, num_tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def exact_rows(p: PagedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unquantized rows each sequence attends: sink rows then tail rows, unrotated float32.
 
     Returns ``(k [B, H, R, D], v [B, H, R, D], valid [B, R] bool)``; ``R = S + T`` (sink capacity
-    plus group size). Sink rows count only up to :meth:`Paged.sink_count`.
+    plus group size). Sink rows count only up to :meth:`PagedContext.sink_count`.
     """
-    bsz = num_tiles.shape[0]
+    bsz = p.num_tiles.shape[0]
     ks: list[torch.Tensor] = []
     vs: list[torch.Tensor] = []
     valid: list[torch.Tensor] = []
     for rows_k, rows_v, slot, count in (
-        (p.sink_k, p.sink_v, p.sink_slot, p.sink_count(num_tiles)),
+        (p.sink_k, p.sink_v, p.sink_slot, p.sink_count()),
         (p.tail_k, p.tail_v, p.tail_slot, p.tail_lens),
     ):
         if rows_k is None or rows_v is None or count is None:
@@ -47,23 +47,24 @@ def exact_rows(p: Paged, num_tiles: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return torch.cat(ks, 2), torch.cat(vs, 2), torch.cat(valid, 1)
 
 
-def _read_tiles(p: Paged, block_table: torch.Tensor, num_tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_tiles(p: PagedContext) -> tuple[torch.Tensor, torch.Tensor]:
     """Records of the tiles read, ``[B, n, H, tile_bytes]`` uint8 (n = longest), and ``[B, n]`` bool."""
+    block_table, num_tiles = p.block_table, p.num_tiles
     n = int(num_tiles.max()) if num_tiles.numel() else 0
     ok = torch.arange(n)[None, :] < num_tiles.long()[:, None]
     ids = torch.where(ok, block_table[:, :n].long(), 0)
     return p.cache[ids], ok
 
 
-def decode(p: Paged, query: torch.Tensor, block_table: torch.Tensor, num_tiles: torch.Tensor) -> torch.Tensor:
-    """Decode attention, ``query`` ``[B, Hq, D]`` -> ``[B, Hq, D]`` float32 (see :func:`kvarn.kernels.cpu.decode_attention`)."""
+def decode(p: PagedContext, query: torch.Tensor) -> torch.Tensor:
+    """Decode attention, ``query`` ``[B, Hq, D]`` -> ``[B, Hq, D]`` float32 (see :func:`kvarn.kernels.cpu.ops.decode_attention`)."""
     bsz, hq, d = query.shape
     h = p.cache.shape[1]
     g, t = hq // h, p.scheme.group_size
-    q = query.float().reshape(bsz, h, g, d) * p.sm_scale  # query may be a strided view (vLLM qkv)
-    ek, ev, ok_rows = exact_rows(p, num_tiles)
+    q = query.float().reshape(bsz, h, g, d) * p.sm_scale(d)  # query may be a strided view (vLLM qkv)
+    ek, ev, ok_rows = exact_rows(p)
     s_rows = (q @ ek.transpose(-1, -2)).masked_fill(~ok_rows[:, None, None, :], float("-inf"))  # [B, H, G, R]
-    rec, ok_tiles = _read_tiles(p, block_table, num_tiles)
+    rec, ok_tiles = _read_tiles(p)
     n = rec.shape[1]
     if n:
         dec = decode_records(rec.reshape(-1, rec.shape[-1]), p.scheme, d)
@@ -78,9 +79,7 @@ def decode(p: Paged, query: torch.Tensor, block_table: torch.Tensor, num_tiles: 
         s = (s + (qr * per_tile(dec.key_offset)).sum(-1, keepdim=True)) * per_tile(dec.key_factor)
         masked = ~ok_tiles[:, :, None, None, None].expand(bsz, n, 1, 1, t)
         if p.scheme.sink_tokens:  # tile 0's first tokens are attended from their exact copies
-            first = (torch.arange(n)[:, None] == 0) & (
-                torch.arange(t)[None, :] < p.sink_count(num_tiles)[:, None, None]
-            )
+            first = (torch.arange(n)[:, None] == 0) & (torch.arange(t)[None, :] < p.sink_count()[:, None, None])
             masked = masked | first[:, :, None, None, :]
         s = s.masked_fill(masked, float("-inf"))
         s_all = torch.cat([s.permute(0, 2, 3, 1, 4).reshape(bsz, h, g, n * t), s_rows], -1)
@@ -101,15 +100,9 @@ def decode(p: Paged, query: torch.Tensor, block_table: torch.Tensor, num_tiles: 
 
 
 def prefill(
-    p: Paged,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    block_table: torch.Tensor,
-    num_tiles: torch.Tensor,
+    p: PagedContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: torch.Tensor
 ) -> torch.Tensor:
-    """Causal prefill attention -> ``[N, Hq, D]`` float32 (see :func:`kvarn.kernels.cpu.prefill_attention`).
+    """Causal prefill attention -> ``[N, Hq, D]`` float32 (see :func:`kvarn.kernels.cpu.ops.prefill_attention`).
 
     Every key a request sees is gathered by index from one source table of rows ``[*, H, D]``
     (dequantized tiles, sink rows, tail rows, new keys, a zero row for padding), so there is no
@@ -117,6 +110,7 @@ def prefill(
     """
     total, hq, d = query.shape
     h, t = key.shape[1], p.scheme.group_size
+    block_table, num_tiles = p.block_table, p.num_tiles
     bsz = cu_seqlens_q.shape[0] - 1
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]
@@ -124,10 +118,10 @@ def prefill(
     # segments of one request read the same tiles: dequantize each block once
     ids = torch.where(torch.arange(n)[None, :] < num_tiles.long()[:, None], block_table[:, :n].long(), 0)
     blocks, which = torch.unique(ids, return_inverse=True)  # which: [B, n] index into blocks
-    ek, ev, _ = exact_rows(p, num_tiles)  # [B, H, R, D]; sink rows first (capacity S), then the tail
+    ek, ev, _ = exact_rows(p)  # [B, H, R, D]; sink rows first (capacity S), then the tail
     r = ek.shape[2]
     s_cap = r - t
-    sink = p.sink_count(num_tiles) if s_cap else torch.zeros(bsz, dtype=torch.long)
+    sink = p.sink_count() if s_cap else torch.zeros(bsz, dtype=torch.long)
     ahead = sink if p.scheme.sink_tile else torch.zeros_like(sink)
     tiles_end = ahead + num_tiles.long() * t
     cached = tiles_end + p.tail_lens.long()
@@ -175,7 +169,7 @@ def prefill(
         q_pad = q_all[q_idx].transpose(1, 2)  # [b, Hq, Lq, D]
         allowed = pos[:, None, :w] <= (cached[grp, None, None] + jq[:, :, None])  # [b, Lq, w], causal
         o = F.scaled_dot_product_attention(
-            q_pad, k_ws, v_ws, attn_mask=allowed[:, None], scale=p.sm_scale, enable_gqa=hq != h
+            q_pad, k_ws, v_ws, attn_mask=allowed[:, None], scale=p.sm_scale(d), enable_gqa=hq != h
         )  # [b, Hq, Lq, D]
         out[q_idx[q_ok]] = o.transpose(1, 2)[q_ok]
     return out

@@ -1,43 +1,15 @@
-"""C++ source of the native CPU store: quantize full tiles into records, as :func:`kvarn.codec.quantize_tiles`.
+// Native CPU store: quantize rotated tiles into records, following kvarn.codec.tiles._encode_side
+// step for step (the contract and the tolerance: kvarn/kernels/cpu/store.py).
+#include "kernels.h"
+#include "vec.h"
 
-Appended to the decode kernel's source (:data:`kvarn.kernels.cpu_native_src.SOURCE`, one library).
-The rotation ``x @ R`` runs before, in torch (:func:`kvarn.codec.rotate`, the reference's own
-call); this code gets the rotated tiles ``[N * H, T, D]`` float32 and encodes each side (keys,
-values) of each tile in one OpenMP task, following :func:`kvarn.codec.tiles._encode_side` step
-for step: every Sinkhorn iterate 0..ITERS, fp16 or log8 storage of factors, scales and zero
-points, ``floor(x + 0.5)`` rounding, the iterate with the least squared error, bit-plane packing.
-
-Element-wise float32 operations are the reference's, one for one (divisions stay divisions; the
-file is compiled without fused multiply-add contraction). Where the reference's rounding cannot be
-reproduced without torch's own vector math library, this code is as exact or more: ``exp``/``log``
-through double precision rounded once (torch uses SLEEF's float32 functions, within 1 ulp), the
-standard deviations and squared errors summed in double. The means of the Sinkhorn step follow
-torch's float32 summation order (``torch_mean``; double means left 6 of 480 stress records
-different, this order 2). One deliberate change for speed: the Sinkhorn step's
-``exp(-log_r - log_c)`` is taken as ``exp(-log_r) * exp(-log_c)`` (``T + D`` exponentials per step
-instead of ``T * D``; a few float32 ulps apart). So records are byte-identical to the reference
-for most tiles and otherwise differ where a stored factor or scale rounds to the neighbouring fp16
-value (or log8 code), or where two iterates' errors nearly tie; the tests bound both.
-
-Every reduction is written as a sum *across* rows into a per-column array (a transposed copy of
-the tile serves the per-token reductions), so GCC vectorizes it without reassociating anything.
-"""
-
-STORE = r"""
 #if defined(__clang__)
 #pragma clang fp contract(off) exceptions(ignore)
 #elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off", "no-trapping-math")  // no FMA; selects vectorize
 #endif
 
-struct StoreArgs {  // every field 8 bytes: mirrored by ctypes in cpu_store.py
-  int64_t N, H, T, D, KB, VB, LOG8, ITERS, NTHREADS;
-  int64_t KC, VC, KS, KO, KF, VS, VO, VF;   // byte offsets of the record's sections
-  const float* keys; const float* values;   // rotated tiles [N * H, T, D] float32, contiguous
-  uint8_t* cache; int64_t cache_sb, cache_sh;  // byte strides of [num_blocks, H, >= tile_bytes]
-  const int64_t* block_ids;                 // [N]
-  const float* lut;                         // [256] log8 values
-};
+using StoreArgs = kvarn::StoreArgs;
 
 namespace {
 
@@ -288,8 +260,7 @@ struct Side {  // one side of one tile, with its workspace
 
 }  // namespace
 
-extern "C" int kvarn_store(const StoreArgs* ap) {
-  const StoreArgs& a = *ap;
+void kvarn::store_tiles(const StoreArgs& a) {
   const int64_t N = a.N, H = a.H, T = a.T, D = a.D;
   #pragma omp parallel for schedule(dynamic, 1) num_threads((int)a.NTHREADS)
   for (int64_t task = 0; task < N * H * 2; ++task) {
@@ -305,6 +276,4 @@ extern "C" int kvarn_store(const StoreArgs* ap) {
     if (keys) w.encode(rec, a.KC, a.KS, a.KO, a.KF);
     else w.encode(rec, a.VC, a.VS, a.VO, a.VF);
   }
-  return 0;
 }
-"""

@@ -1,6 +1,6 @@
-"""The kernel variants the compile gate (:mod:`kvarn.kernels.gate`) builds, and how it launches each.
+"""The kernel variants the compile gate (:mod:`tools.kernel_gate`) builds, and how it launches each.
 
-A variant is one call of a real launcher in :mod:`kvarn.kernels.ops` with small CPU tensors shaped
+A variant is one call of a real launcher in :mod:`kvarn.kernels.triton.ops` with small CPU tensors shaped
 like a serving step (8 KV heads, 2 sequences of 3 packed tiles and a partial tail, plus the exact
 first tokens or sink tile when the scheme keeps them, as every built-in does); under the
 gate's stand-in driver every kernel that call launches is compiled instead.
@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from kvarn.kernels import ops
+from kvarn.kernels import PagedContext
+from kvarn.kernels.triton import ops
 from kvarn.schemes import BUILTINS, get_scheme
 
 HEAD_DIMS = (64, 128, 256)
@@ -87,9 +88,9 @@ def quick_variants(archs: tuple[int, ...] = (90, 80)) -> list[Variant]:
                 Variant(arch, "prefill", "kvarn_k4v2_g128", d, "bf16", 4),
             ]
         out += [Variant(arch, "decode", NO_SINK, 128, "bf16", 7, 1), Variant(arch, "prefill", NO_SINK, 128, "bf16", 4)]
-        # one query head per KV head at 256 has a config of its own (it spilled with Triton 3.6.0)
+        # one query head per KV head at 256 has a config of its own
         out.append(Variant(arch, "decode", "kvarn_k4v2_g128", 256, "fp16", 1, 4))
-        # a 3-bit side is packed differently; at head_dim 128 it spilled on sm_80 with 8 warps (now 4)
+        # a 3-bit side is packed differently and has a config of its own at head_dim 128
         out.append(Variant(arch, "store", "kvarn_k3v2_g128", 128, "bf16"))
     return out
 
@@ -118,12 +119,13 @@ def launch(v: Variant) -> None:
     hq = h * v.group
     if v.op == "decode":
         q = torch.zeros(bsz, hq, d, dtype=dt)
-        ops.decode_attention(q, cache, table, num_tiles, tail, tail, tail_lens, scheme, num_splits=v.splits, **kw)
+        ctx = PagedContext(cache, table, num_tiles, tail, tail, tail_lens, scheme, **kw)
+        ops.decode_attention(q, ctx, num_splits=v.splits)
     elif v.op == "prefill":
         n = 3
         q = torch.zeros(bsz * n, hq, d, dtype=dt)
         k = torch.zeros(bsz * n, h, d, dtype=dt)
         cu = torch.arange(0, bsz * n + 1, n, dtype=i32)
-        ops.prefill_attention(q, k, k, cu, cache, table, num_tiles, tail, tail, tail_lens, scheme, **kw)
+        ops.prefill_attention(q, k, k, cu, PagedContext(cache, table, num_tiles, tail, tail, tail_lens, scheme, **kw))
     else:
         raise ValueError(f"unknown op {v.op!r}; allowed: store, decode, prefill")

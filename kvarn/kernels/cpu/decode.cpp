@@ -1,43 +1,16 @@
-"""C++ source of the native CPU decode kernel, compiled on first use by :mod:`kvarn.kernels.cpu_native`.
+// Native CPU decode attention. One task per (sequence, KV head, split of SPLIT_TILES of its tiles)
+// streams its tiles record by record: key scores straight from the packed codes for all G query
+// heads of the KV head at once (score = kf * ((q_r * ks) . codes + q_r . ko)), an online softmax
+// per tile, then the value codes of ROWS rows at a time unpacked into L1
+// (acc_r += vf * ((p * vs) @ codes + p . vo)); one more task per (sequence, KV head) attends the
+// exact rows (sink, tail) with the unrotated query. A second parallel loop merges the partial
+// softmax states in a fixed order, un-rotates the tile part and writes the output in the query's dtype.
+#include "kernels.h"
+#include "vec.h"
 
-Kept as strings so that it ships inside the Python package without package-data rules: the
-building blocks in :mod:`kvarn.kernels.cpu_native_vec`, then the kernel here. Plain C++17 with
-OpenMP and GCC/Clang vector extensions (AVX2 intrinsics only where they beat the generic form,
-each with a portable fallback), compiled with ``-O3 -march=native`` for the machine that runs it.
+using Args = kvarn::DecodeArgs;
 
-One task per (sequence, KV head, split of :data:`~kvarn.kernels.cpu_native.SPLIT_TILES` of its tiles) streams its tiles record by record: key
-scores straight from the packed codes for all ``G`` query heads of the KV head at once
-(``score = kf * ((q_r * ks) . codes + q_r . ko)``), an online softmax per tile, then the value
-codes of 32 rows at a time unpacked into L1 (``acc_r += vf * ((p * vs) @ codes + p . vo)``); one
-more task per (sequence, KV head) attends the exact rows (sink, tail) with the unrotated query. A
-second parallel loop merges the partial softmax states, un-rotates the tile part and writes the
-output in the query's dtype.
-"""
-
-from kvarn.kernels.cpu_native_vec import HELPERS
-from kvarn.kernels.cpu_store_src import STORE
-
-KERNEL = r"""
-struct Args {  // every field 8 bytes: mirrored by ctypes in cpu_native.py
-  int64_t B, H, G, D, T, KB, VB, LOG8, SPLIT_TILES, NTHREADS;  // SPLIT_TILES: tiles per task
-  int64_t KC, VC, KS, KO, KF, VS, VO, VF;   // byte offsets of the record's sections
-  int64_t DTYPE;                            // of query, rows and output: 0 f32, 1 f16, 2 bf16
-  int64_t SINK_TOKENS;                      // > 0: sink rows replace tile 0's first positions
-  int64_t SINK_CAP;                         // rows per sink slot (0: no sink)
-  int64_t NUM_BLOCKS, BT_WIDTH, TAIL_SLOTS, SINK_SLOTS;  // bounds of the indices, checked before any read
-  const uint8_t* cache; int64_t cache_sb, cache_sh;             // byte strides
-  const int32_t* block_table; int64_t bt_sb;
-  const int32_t* num_tiles;
-  const void* q; int64_t q_sb, q_sh;                            // element strides
-  const void* tail_k; const void* tail_v; int64_t tail_ss, tail_sh, tail_st;
-  const int32_t* tail_slot; const int32_t* tail_lens;           // tail_slot may be null (slot b)
-  const void* sink_k; const void* sink_v; int64_t sink_ss, sink_sh, sink_st;
-  const int32_t* sink_slot; const int32_t* sink_lens;
-  const float* rot; const float* rot_t;                         // R and R^T [D, D] contiguous, or null
-  const float* lut;                                             // [256] log8 values
-  double scale;
-  void* out; int64_t out_sb, out_sh;
-};
+namespace {
 
 struct Scratch {
   std::vector<float> rows, qs, c, s, tmp, nat, ks, ko, kf, vs, vo, vf;
@@ -155,9 +128,7 @@ int64_t sink_rows(const Args& a, int64_t b) {
   return (a.SINK_TOKENS > 0 && a.num_tiles[b] <= 0) ? 0 : n;
 }
 
-}  // namespace
-
-// 0, or which index is out of range: 1 num_tiles, 2 a block id, 3 tail_lens, 4 tail_slot, 5 sink_slot
+// see kvarn::decode_attention
 int check_indices(const Args& a) {
   for (int64_t b = 0; b < a.B; ++b) {
     const int64_t n = a.num_tiles[b];
@@ -173,8 +144,9 @@ int check_indices(const Args& a) {
   return 0;
 }
 
-extern "C" int kvarn_decode(const Args* args) {
-  const Args& a = *args;
+}  // namespace
+
+int kvarn::decode_attention(const Args& a) {
   if (const int bad = check_indices(a)) return bad;
   // Sequence b's tiles are cut into parts of SPLIT_TILES tiles whatever the batch and the thread
   // count, and the parts are merged in order: a row's result depends only on its own context.
@@ -247,6 +219,3 @@ extern "C" int kvarn_decode(const Args* args) {
   }
   return 0;
 }
-"""
-
-SOURCE = HELPERS + KERNEL + STORE  # one library: decode, then the store (kvarn.kernels.cpu_store)

@@ -2,7 +2,7 @@
 
 Triton's NVIDIA backend and ``ptxas`` ship inside the ``triton`` wheel. A stand-in driver whose
 ``get_current_target()`` is ``GPUTarget("cuda", arch, 32)`` makes Triton compile for that GPU; every
-``kernel[grid](...)`` of the real launchers in :mod:`kvarn.kernels.ops`, driven with CPU tensors,
+``kernel[grid](...)`` of the real launchers in :mod:`kvarn.kernels.triton.ops`, driven with CPU tensors,
 then compiles (``warmup=True``) instead of launching. For each compiled kernel the gate reads:
 
 * registers and spills from ``ptxas -v`` on the kernel's PTX (the ``ptxas`` Triton itself uses for
@@ -14,13 +14,12 @@ A variant fails on a compile error, on shared memory above one block's limit (:d
 any register spill, and on still compiling after a timeout (:func:`compile_variants` compiles each
 variant in its own forked process group and kills it, ptxas included). The kernels must be
 compiled, not interpreted: run the gate in a process without ``TRITON_INTERPRET=1``
-(``tools/compile_gate.py`` does). The variants are in :mod:`kvarn.kernels._gate_variants`.
+(``tools/compile_gate.py`` does). The variants are in :mod:`tools.kernel_gate.variants`.
 
-Another Triton (3.6.0 is on the GPU machines lent to this project; 3.9.0 is pinned) is checked by
-running the CLI with that Triton's interpreter, in a throwaway environment outside the repository:
+Another Triton version is checked by running the CLI with that Triton's interpreter, in a
+throwaway environment outside the repository:
 ``python3 -m venv /path/t36 && /path/t36/bin/pip install triton==3.6.0 torch==2.13.0 omegaconf==2.4.0``
-then ``PYTHONPATH=. /path/t36/bin/python tools/compile_gate.py`` (measured: all 24 quick variants
-compile without spills, 413 s cold on two shared cores).
+then ``PYTHONPATH=. /path/t36/bin/python tools/compile_gate.py`` (results: ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -47,8 +46,9 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 from triton.runtime.jit import JITFunction
 
-from kvarn.kernels._gate_variants import Variant, full_variants, launch, quick_variants
-from kvarn.kernels._store import store_side_kernel
+from kvarn.kernels.triton._store import store_side_kernel
+
+from .variants import Variant, full_variants, launch, quick_variants
 
 
 @dataclass(frozen=True)

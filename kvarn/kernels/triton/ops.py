@@ -1,38 +1,12 @@
-"""Launchers: check arguments, allocate outputs, choose the grid, call the Triton kernels.
+"""Triton launchers: check arguments, allocate outputs, choose the grid, call the kernels.
 
-Paged cache layout (one layer)::
-
-    cache        [num_blocks, num_kv_heads, tile_bytes] uint8   one packed record per (block, KV head),
-                                                                 record layout: kvarn.codec.tiles.layout
-    block_table  [batch, max_blocks] int32    block ids of each sequence's full tiles, in token order
-    num_tiles    [batch] int32                how many entries of block_table are full (quantized) tiles
-    tail_k/v     [batch, num_kv_heads, group_size, head_dim] fp16/bf16/fp32, unrotated: the tile
-                                              being filled; tail_lens [batch] int32 valid tokens.
-                 Or, with tail_slot [batch] int32, the staging POOL [num_slots, num_kv_heads,
-                                              group_size, head_dim] read in place: sequence b reads
-                                              rows 0..tail_lens[b]-1 of tail_k[tail_slot[b]]
-    sink_k/v     [batch, num_kv_heads, R, head_dim] (or with sink_slot the sink POOL
-                                              [num_sink_slots, num_kv_heads, R, head_dim]), unrotated,
-                                              exact first tokens of the sequence in rows
-                                              0..sink_lens[b]-1; R = group_size for a sink tile,
-                                              sink_tokens..group_size for sink tokens; sink_lens
-                                              [batch] int32. Required when scheme.sink_len > 0, one of:
-
-* ``scheme.sink_tile``: the sink is the whole first tile, kept instead of a packed one. A
-  sequence's context is, in token order: ``sink_lens`` sink tokens, ``num_tiles`` packed tiles,
-  ``tail_lens`` tail tokens.
-* ``scheme.sink_tokens = S``: every tile is packed as without a sink (tile 0 included); the context
-  is ``num_tiles`` packed tiles then the tail, and readers take positions ``0..sink_lens[b]-1`` of
-  the first packed tile (``block_table[b, 0]``) from the exact copies instead of dequantizing them.
-  The effective sink length is ``min(sink_lens[b], S)`` when ``num_tiles[b] > 0`` and 0 otherwise:
-  larger values are clamped (no device sync), and before tile 0 is full its tokens are in the
-  tail, so the copies are ignored rather than attended twice.
-
-:func:`split_lengths` turns context lengths into those counts. Queries and outputs are unrotated;
-kernels rotate the query and un-rotate the output when the scheme rotates. The staging tensors
-(tail, sink) may be any strided views whose last axis is contiguous. Slot ids are valid indices
-(the caller passes 0 where a sequence has no row to read). Neither attention op synchronises
-with the host, so decode steps can be captured in CUDA graphs.
+The ops of :class:`~kvarn.kernels.api.AttentionOps` over a :class:`~kvarn.kernels.api.PagedContext`
+(layout and token order in :mod:`kvarn.kernels.api`); the ``@triton.jit`` bodies live in
+``_store.py``, ``_decode.py`` and ``_prefill.py``, launch options in :mod:`.configs`. Every kernel
+is specialized through ``tl.constexpr`` on the scheme (bits, group size, head_dim, rotation,
+iterations, scale storage, sink): one source for every scheme. Neither attention op synchronises
+with the host, so decode steps can be captured in CUDA graphs. Without CUDA the kernels run under
+``TRITON_INTERPRET=1`` (correctness only).
 """
 
 from __future__ import annotations
@@ -43,36 +17,22 @@ import torch
 import triton
 
 from kvarn.codec.tiles import layout
-from kvarn.kernels._checks import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    KernelArgumentError,
-    check_tensor,
-    context_args,
-    log8_table,
-    rotation,
-)
-from kvarn.kernels._decode import decode_kernel, merge_kernel
-from kvarn.kernels._prefill import prefill_kernel
-from kvarn.kernels._store import store_side_kernel
-from kvarn.kernels.configs import (
+from kvarn.kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, KernelArgumentError, check_tensor, log8_table, rotation
+from kvarn.kernels.api import PagedContext
+from kvarn.kernels.triton._args import context_args
+from kvarn.kernels.triton._decode import decode_kernel, merge_kernel
+from kvarn.kernels.triton._prefill import prefill_kernel
+from kvarn.kernels.triton._store import store_side_kernel
+from kvarn.kernels.triton.configs import (
     KernelConfig,
     choose_num_splits,
     decode_configs,
     prefill_configs,
-    split_lengths,
     store_configs,
 )
 from kvarn.schemes.scheme import Scheme
 
-__all__ = [
-    "choose_num_splits",
-    "decode_attention",
-    "prefill_attention",
-    "quantize_tiles_triton",
-    "split_lengths",
-    "store_tiles",
-]
+__all__ = ["decode_attention", "prefill_attention", "quantize_tiles_triton", "store_tiles"]
 
 
 def _check_scheme(scheme: Scheme, head_dim: int) -> None:
@@ -218,22 +178,10 @@ def _merge(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, scheme: Sche
 
 def decode_attention(
     query: torch.Tensor,
-    cache: torch.Tensor,
-    block_table: torch.Tensor,
-    num_tiles: torch.Tensor,
-    tail_k: torch.Tensor,
-    tail_v: torch.Tensor,
-    tail_lens: torch.Tensor,
-    scheme: Scheme,
+    ctx: PagedContext,
     *,
-    tail_slot: torch.Tensor | None = None,
-    sink_k: torch.Tensor | None = None,
-    sink_v: torch.Tensor | None = None,
-    sink_lens: torch.Tensor | None = None,
-    sink_slot: torch.Tensor | None = None,
-    sm_scale: float | None = None,
-    num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    num_splits: int | None = None,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged, packed context.
@@ -244,24 +192,9 @@ def decode_attention(
     Args:
         query: ``[B, num_q_heads, D]`` fp16/bf16/fp32, unrotated; query head ``h`` reads KV head
             ``h // (num_q_heads // num_kv_heads)``.
-        cache: ``[num_blocks, num_kv_heads, tile_bytes]`` uint8, 4-byte aligned.
-        block_table: ``[B, max_blocks]`` int32; the first ``num_tiles[b]`` entries are read.
-        num_tiles: ``[B]`` int32 full tiles per sequence.
-        tail_k, tail_v: unrotated staged tokens, fp16/bf16/fp32, last axis contiguous, same
-            strides: ``[B, num_kv_heads, group_size, D]`` per sequence, or with ``tail_slot`` the
-            staging pool ``[num_slots, num_kv_heads, group_size, D]``.
-        tail_lens: ``[B]`` int32 valid rows (0..group_size; the new token is already counted).
-        scheme: a scheme without per-layer overrides.
-        tail_slot: ``[B]`` int32 pool slot of each sequence (any valid index when its tail is empty).
-        sink_k, sink_v, sink_lens: exact first tokens, required when ``scheme.sink_len > 0``:
-            ``[B, num_kv_heads, R, D]`` per sequence, or with ``sink_slot`` (``[B]`` int32) the sink
-            pool ``[num_sink_slots, num_kv_heads, R, D]``; ``R`` = group_size for a sink tile,
-            ``sink_tokens .. group_size`` for sink tokens. The sink tile is attended before the
-            packed tiles; sink-token copies replace positions ``< min(sink_lens[b], sink_tokens)``
-            of tile ``block_table[b, 0]`` and are ignored while ``num_tiles[b] == 0``.
-        sm_scale: softmax scale, default ``1/sqrt(D)``.
-        num_splits: split-K factor; default :func:`choose_num_splits` (1 = no split).
+        ctx: the cached context; ``cache`` 4-byte aligned, ``tail_lens`` counting the new token.
         out: optional ``[B, num_q_heads, D]`` output buffer.
+        num_splits: split-K factor; default :func:`choose_num_splits` (1 = no split).
         config: launch options; default ``configs.decode_configs(...)[0]``.
 
     Returns:
@@ -271,6 +204,7 @@ def decode_attention(
     if query.dim() != 3:
         raise KernelArgumentError(f"query must be [batch, num_q_heads, head_dim], got {list(query.shape)}")
     bsz, hq, d = query.shape
+    scheme, cache, block_table = ctx.scheme, ctx.cache, ctx.block_table
     _check_scheme(scheme, d)
     dev = query.device
     check_tensor("query", query, (bsz, hq, d), FLOAT_DTYPES, dev)
@@ -281,13 +215,10 @@ def decode_attention(
         raise KernelArgumentError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
     _check_cache(cache, scheme, hkv, d, dev)
     check_tensor("block_table", block_table, (bsz, None), (torch.int32,), dev)
-    check_tensor("num_tiles", num_tiles, (bsz,), (torch.int32,), dev)
+    check_tensor("num_tiles", ctx.num_tiles, (bsz,), (torch.int32,), dev)
     group = hq // hkv
     cfg = config or decode_configs(scheme, d, group)[0]
-    args, consts = context_args(
-        scheme, cache, block_table, num_tiles, (tail_k, tail_v, tail_lens, tail_slot),
-        (sink_k, sink_v, sink_lens, sink_slot), bsz, d, cfg.block_n,
-    )  # fmt: skip
+    args, consts = context_args(ctx, bsz, d, cfg.block_n)
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     check_tensor("out", out, (bsz, hq, d), FLOAT_DTYPES, dev)
@@ -304,7 +235,7 @@ def decode_attention(
         part = ml = out  # unused
     decode_kernel[(bsz, hkv, splits)](
         query, query.stride(0), query.stride(1), *args, out, out.stride(0), out.stride(1), part, ml,
-        (sm_scale if sm_scale is not None else d**-0.5) * math.log2(math.e),
+        ctx.sm_scale(d) * math.log2(math.e),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), S=splits, PARTIAL=partial, **consts,
         **cfg.launch_kwargs(),
     )  # fmt: skip
@@ -318,20 +249,8 @@ def prefill_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
-    cache: torch.Tensor,
-    block_table: torch.Tensor,
-    num_tiles: torch.Tensor,
-    tail_k: torch.Tensor,
-    tail_v: torch.Tensor,
-    tail_lens: torch.Tensor,
-    scheme: Scheme,
+    ctx: PagedContext,
     *,
-    tail_slot: torch.Tensor | None = None,
-    sink_k: torch.Tensor | None = None,
-    sink_v: torch.Tensor | None = None,
-    sink_lens: torch.Tensor | None = None,
-    sink_slot: torch.Tensor | None = None,
-    sm_scale: float | None = None,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
@@ -351,8 +270,7 @@ def prefill_attention(
         query: ``[total_q, num_q_heads, D]`` new tokens of all sequences, packed by sequence.
         key, value: ``[total_q, num_kv_heads, D]`` their keys and values (unrotated), same dtype.
         cu_seqlens_q: ``[B + 1]`` int32 start offsets of each sequence's tokens in ``query``.
-        cache, block_table, num_tiles, tail_k, tail_v, tail_lens, scheme, tail_slot, sink_k,
-            sink_v, sink_lens, sink_slot, sm_scale: as in :func:`decode_attention`.
+        ctx: the cached context, as in :func:`decode_attention` (``tail_lens`` may be 0).
         max_query_len: the most new tokens of any sequence (an upper bound is fine).
         out: optional ``[total_q, num_q_heads, D]`` output.
         config: launch options (``configs.prefill_configs``).
@@ -365,6 +283,7 @@ def prefill_attention(
             f"query and key must be [tokens, heads, head_dim], got {list(query.shape)}, {list(key.shape)}"
         )
     total, hq, d = query.shape
+    scheme, cache = ctx.scheme, ctx.cache
     _check_scheme(scheme, d)
     dev, hkv = query.device, key.shape[1]
     if hq % hkv:
@@ -379,13 +298,10 @@ def prefill_attention(
     if bsz < 0:
         raise KernelArgumentError("cu_seqlens_q must hold at least one entry (0)")
     _check_cache(cache, scheme, hkv, d, dev)
-    check_tensor("block_table", block_table, (bsz, None), (torch.int32,), dev)
-    check_tensor("num_tiles", num_tiles, (bsz,), (torch.int32,), dev)
+    check_tensor("block_table", ctx.block_table, (bsz, None), (torch.int32,), dev)
+    check_tensor("num_tiles", ctx.num_tiles, (bsz,), (torch.int32,), dev)
     cfg = config or prefill_configs(d)[0]
-    args, consts = context_args(
-        scheme, cache, block_table, num_tiles, (tail_k, tail_v, tail_lens, tail_slot),
-        (sink_k, sink_v, sink_lens, sink_slot), bsz, d, cfg.block_n,
-    )  # fmt: skip
+    args, consts = context_args(ctx, bsz, d, cfg.block_n)
     if out is None:
         out = torch.empty(total, hq, d, dtype=query.dtype, device=dev)
     check_tensor("out", out, (total, hq, d), FLOAT_DTYPES, dev)
@@ -406,7 +322,7 @@ def prefill_attention(
     prefill_kernel[(triton.cdiv(q_max, block_m // gp), bsz, hkv)](
         query, query.stride(0), query.stride(1), key, value, key.stride(0), key.stride(1), cu_seqlens_q,
         *args, out, out.stride(0), out.stride(1), part, ml,
-        (sm_scale if sm_scale is not None else d**-0.5) * math.log2(math.e),
+        ctx.sm_scale(d) * math.log2(math.e),
         G=group, GP=gp, BLOCK_M=block_m, **consts, **cfg.launch_kwargs(),
     )  # fmt: skip
     if rotate:
