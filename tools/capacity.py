@@ -22,19 +22,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from kvarn.vllm.engine import cpu_engine, kv_tokens
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.vllm.synthetic
+
+from kvarn.vllm.engine import cpu_engine, kv_tokens  # noqa: E402
 
 
 def pools_mib(llm: Any) -> float:
     """MiB of kvarn's staging and sink pools in this engine (0 for other dtypes): one pool per layer
     kvarn serves, none for sliding-window layers or a preset's fp16 layers (vLLM's own cache)."""
     from kvarn.schemes import get_preset
-    from kvarn.vllm.plugin import FULL, fp16_layers, is_kvarn_dtype, layer_types
+    from kvarn.vllm.admission import FULL, fp16_layers, layer_types
+    from kvarn.vllm.plugin import is_kvarn_dtype
     from kvarn.vllm.pools import pool_bytes
 
     cfg = llm.llm_engine.vllm_config
@@ -90,7 +94,7 @@ def capacity(
 
     from kvarn.models import resolve_model
     from kvarn.vllm.plugin import register
-    from kvarn.vllm.synthetic import make_tiny_llama
+    from tests.vllm.synthetic import make_tiny_llama
 
     register()  # preset names (KVARN_PRESET_PATH too) resolve before any engine starts
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)

@@ -1,14 +1,14 @@
 """Which blocks live requests are filling, published every step for the staging and sink pools.
 
 The model runner knows, for every request it holds, its block ids and ``num_computed_tokens``; the
-attention metadata builder sees only the requests scheduled in the step. Wrapping the runner's
-``_update_states`` (it runs at the start of every step, before the metadata is built), this module
-publishes into :data:`kvarn.vllm.staging.LIVE_BLOCKS`:
+attention metadata builder sees only the requests scheduled in the step. :func:`publish` runs after
+the runner's ``_update_states`` (at the start of every step, before the metadata is built:
+:func:`kvarn.vllm.patches.patch_update_states`) and fills :data:`kvarn.vllm.staging.LIVE_BLOCKS`:
 
-* ``"blocks"``: the block each live request fills next, ``block_ids[num_computed_tokens // block_size]``
+* ``blocks``: the block each live request fills next, ``block_ids[num_computed_tokens // block_size]``
   (not its last block: with speculative decoding vLLM allocates blocks ahead, and a rejected draft
   rolls a request back into a tile it had completed);
-* ``"first"``: each live request's first block (the key of its sink slot).
+* ``first``: each live request's first block (the key of its sink slot).
 
 Only the KV-cache groups that hold kvarn layers are read, each at its own block size: a model with
 sliding-window layers has further groups of vLLM's own cache, whose blocks (other ids, often
@@ -20,7 +20,7 @@ of one tile for the kvarn backend (``AttentionGroup.kernel_block_size``): kernel
 ``b`` is ``b * stride + j``, and those are the ids the backend sees, so they are what is published.
 
 Preempted requests are not live: vLLM frees their blocks, and they recompute their tokens when they
-resume. Installed by :class:`kvarn.vllm.backend.KvarnAttentionImpl` in the worker process.
+resume.
 """
 
 from __future__ import annotations
@@ -85,26 +85,4 @@ def publish(runner: Any, scheduler_output: Any) -> None:
             done = int(req.num_computed_tokens)
             if done // size < len(ids):
                 blocks.add(ids[done // size] * stride + done % size // tile)
-    LIVE_BLOCKS["blocks"], LIVE_BLOCKS["first"] = blocks, first
-
-
-def install() -> None:
-    """Wrap ``GPUModelRunner._update_states`` (the CPU runner inherits it) once per process."""
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError:  # pragma: no cover - another runner layout: the pools then reclaim LRU only
-        return
-    if getattr(GPUModelRunner, "_kvarn_publish_live", False):
-        return
-    original = GPUModelRunner._update_states
-
-    def _update_states(self: Any, scheduler_output: Any) -> Any:
-        result = original(self, scheduler_output)
-        try:
-            publish(self, scheduler_output)
-        except AttributeError:  # pragma: no cover - a runner without these fields
-            LIVE_BLOCKS["blocks"] = LIVE_BLOCKS["first"] = None
-        return result
-
-    GPUModelRunner._update_states = _update_states  # type: ignore[method-assign]
-    GPUModelRunner._kvarn_publish_live = True  # type: ignore[attr-defined]
+    LIVE_BLOCKS.blocks, LIVE_BLOCKS.first = blocks, first

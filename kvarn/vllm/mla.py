@@ -6,17 +6,19 @@ as values: multi-query attention over one 576-wide row. kvarn stores each tile o
 rows as one record of :mod:`kvarn.codec.latent` (latent at ``key_bits``, RoPE 16-bit, as KVarN
 does): one vLLM block = one tile, its page one record (``[num_blocks, 1, record_bytes]`` uint8).
 
-Everything else is kvarn's standard machinery, shared with :mod:`kvarn.vllm.backend`: partial
-tiles wait unquantized in the staging pool, exact first tokens in the sink pool, both planned once
-per step by the shared planner (``max_num_seqs`` slots, allocated before vLLM sizes the KV cache).
+Everything else is kvarn's standard machinery: partial tiles wait unquantized in the staging pool,
+exact first tokens in the sink pool, both planned once per step by the shared planner
+(:mod:`kvarn.vllm.planner`) (``max_num_seqs`` slots, allocated before vLLM sizes the KV cache).
 What is vLLM's: the layer (weight absorption, the up-projection of prefill), the metadata, and the
 prefill attention over the step's own tokens (vLLM's CPU MLA prefill, SDPA).
 
-Limits, all checked at start-up (:mod:`kvarn.vllm.plugin`): vLLM's CPU platform only (attention
+Limits, all checked at start-up (:mod:`kvarn.vllm.admission`): vLLM's CPU platform only (attention
 here is PyTorch: each decode step dequantizes the tiles it reads; there are no Triton kernels for
 this layout), one scheme on every layer (no per-layer overrides), a latent width that is a
 multiple of 128, no sparse MLA. Chunked prefill and prefix caching are turned off (vLLM's CPU
 platform does the same for its own MLA backend): a prefill then attends only its own tokens.
+vLLM hands an MLA impl's cache update only slot ids, so kvarn layers' ``MLAAttention.update_kv_cache``
+is routed to :meth:`KvarnMLAImpl.store` (:func:`kvarn.vllm.patches.patch_mla_update_kv_cache`).
 """
 
 from __future__ import annotations
@@ -31,22 +33,18 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm.model_executor.layers.attention.mla_attention import (  # isort: skip
-    MLAAttention,
     MLACommonMetadata,
     MLACommonMetadataBuilder,
 )
 
 from kvarn.codec.latent import dequantize_latent, latent_tile_bytes, quantize_latent, rope_dtype
 from kvarn.schemes import Scheme
-from kvarn.vllm import live
-from kvarn.vllm.backend import _Planner, _scheme_of, packed_spec, shared_planner
 from kvarn.vllm.forward import gather_full_tiles
-from kvarn.vllm.plugin import is_kvarn_dtype, staging_slots
+from kvarn.vllm.pages import ACTIVE, packed_spec
+from kvarn.vllm.planner import Planner, shared_planner
 from kvarn.vllm.pools import reserve, sink_capacity
-from kvarn.vllm.step import StepTensors, Writes, build_step
-
-# (latent width, RoPE width, model dtype) of this process's MLA layers, recorded when they are built
-_DIMS: dict[str, tuple[int, int, torch.dtype]] = {}
+from kvarn.vllm.registry import DTYPES, is_kvarn_dtype, scheme_of
+from kvarn.vllm.step import StepTensors, Writes
 
 
 @dataclass
@@ -65,8 +63,13 @@ class MLAStep:
     sink_rows: torch.Tensor  # [D] int64 exact rows replacing tile 0's first rows (0: none)
 
 
-class _MLAPlanner(_Planner):
-    def _plan(self, m: CommonAttentionMetadata) -> MLAStep:  # type: ignore[override]
+class MLAPlanner(Planner[MLAStep]):
+    """The shared planner of an MLA model's kvarn layers: a step is one :class:`MLAStep`.
+
+    Raises ``NotImplementedError`` for a request that computes several tokens after cached ones.
+    """
+
+    def plan(self, m: CommonAttentionMetadata) -> MLAStep:
         plans, decode = self.plan_requests(m)
         t = self.scheme.group_size
         for p in plans:
@@ -77,9 +80,7 @@ class _MLAPlanner(_Planner):
                     "not serve: its prefill attends the step's own tokens only"
                 )
         table = m.block_table_tensor[: m.num_reqs]
-        writes = build_step(
-            plans, table, t, sink_tile=self.scheme.sink_tile, has_sink=self.sinks is not None, decode=decode
-        )
+        writes = self.writes(plans, m, decode)
         rows = plans[: next((i for i, p in enumerate(plans) if p.q_len > 1), len(plans))]  # decodes lead
         n_full = [0 if p.dummy else (p.ctx + 1) // t for p in rows]
         width = max(n_full, default=0) or 1
@@ -107,7 +108,7 @@ class KvarnMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata[Any]]):
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.planner = shared_planner(vllm_config, kv_cache_spec.block_size, layer_names, _MLAPlanner)
+        self.planner = shared_planner(vllm_config, kv_cache_spec.block_size, layer_names, MLAPlanner)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -118,7 +119,10 @@ class KvarnMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata[Any]]):
 
 
 def _record_bytes(scheme: Scheme) -> int:
-    latent, rope, _ = _DIMS["current"]
+    """Bytes of one tile's record at the latent and RoPE widths of this process's MLA layers."""
+    if ACTIVE.latent is None:
+        raise RuntimeError("kvarn: no kvarn MLA layer was built in this process")
+    latent, rope = ACTIVE.latent
     return latent_tile_bytes(scheme, latent, rope)
 
 
@@ -161,7 +165,7 @@ class KvarnMLABackend(CPUMLABackend):
         """One state per block: the record of one tile (:func:`kvarn.codec.latent.latent_tile_bytes`)."""
         if spec.state_content_bytes is not None:
             return spec
-        scheme = _scheme_of(
+        scheme = scheme_of(
             str(getattr(spec, "cache_dtype_str", None) or get_current_vllm_config().cache_config.cache_dtype)
         )
         return packed_spec(spec, scheme, _record_bytes(scheme))
@@ -174,24 +178,22 @@ class KvarnMLAImpl(CPUMLAImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.scheme = _scheme_of(self.kv_cache_dtype)
+        self.scheme = scheme_of(self.kv_cache_dtype)
         config = get_current_vllm_config()
         dtype = config.model_config.dtype
         assert isinstance(dtype, torch.dtype)
-        _DIMS["current"] = (self.kv_lora_rank, self.qk_rope_head_dim, dtype)
+        ACTIVE.latent = (self.kv_lora_rank, self.qk_rope_head_dim)
         self.width = self.kv_lora_rank + self.qk_rope_head_dim
         self.rope_type = rope_dtype(dtype)
         self.nbytes = _record_bytes(self.scheme)
         # the pools, allocated now: before vLLM measures memory for the KV cache
-        slots = staging_slots(config.scheduler_config.max_num_seqs)[1]
+        slots = DTYPES.staging_slots(config.scheduler_config.max_num_seqs)
         device = torch.device(str(config.device_config.device))
         t = self.scheme.group_size
         self.stage = torch.zeros(slots, t, self.width, dtype=dtype, device=device)
         cap = sink_capacity(self.scheme)
         self.sink = torch.zeros(slots, cap, self.width, dtype=dtype, device=device) if cap else None
         reserve(config, slots * (t + cap) * self.width * dtype.itemsize)
-        live.install()
-        install_mla_store()
 
     # ---- store ---------------------------------------------------------------------------------
     @staticmethod
@@ -210,7 +212,7 @@ class KvarnMLAImpl(CPUMLAImpl):
         self._write(self.sink, rows, st.sink_writes)
         if st.full_blocks is not None:
             tiles = gather_full_tiles(self.stage, rows, st, self.scheme.group_size, token_dim=1)  # [F, T, L + R]
-            latent, rope = tiles.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=2)
+            latent, rope = torch.split(tiles, [self.kv_lora_rank, self.qk_rope_head_dim], dim=2)
             pages = kv_cache.view(torch.uint8)
             pages = pages[:, 0] if pages.dim() == 3 else pages  # [blocks, 1, bytes] as vLLM binds it
             pages[st.full_blocks, : self.nbytes] = quantize_latent(latent, rope, self.scheme, self.rope_type)
@@ -247,23 +249,3 @@ class KvarnMLAImpl(CPUMLAImpl):
         probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1).nan_to_num(0.0)  # warm-up rows
         out = torch.einsum("bhn,bnl->bhl", probs, keys[..., : self.kv_lora_rank])
         return out.to(q.dtype), None
-
-
-def install_mla_store() -> None:
-    """Route ``MLAAttention.update_kv_cache`` of kvarn layers to :meth:`KvarnMLAImpl.store` (once per
-    process): vLLM hands the impl's ``do_kv_cache_update`` only slot ids, and kvarn plans by step."""
-    if getattr(MLAAttention, "_kvarn_store", False):
-        return
-    original = MLAAttention.update_kv_cache
-
-    def update_kv_cache(self: Any, kv_c_normed: Any, k_pe: Any, kv_cache: Any, slot_mapping: Any,
-                        attn_metadata: Any, *args: Any, **kwargs: Any) -> None:  # fmt: skip
-        if not isinstance(self.impl, KvarnMLAImpl):
-            return original(self, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata, *args, **kwargs)
-        if slot_mapping is None or attn_metadata is None or kv_cache.numel() == 0:
-            return None
-        self.impl.store(kv_c_normed, k_pe, kv_cache, attn_metadata.kvarn)
-        return None
-
-    MLAAttention.update_kv_cache = update_kv_cache  # type: ignore[method-assign]
-    MLAAttention._kvarn_store = True  # type: ignore[attr-defined]

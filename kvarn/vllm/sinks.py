@@ -26,7 +26,7 @@ such reads; the backend logs a warning the first time).
 
 Bound and reclaim: ``max_num_seqs`` slots, allocated at start-up. A new sequence takes a free slot,
 else the least recently used slot whose key is no live request's first block
-(:data:`kvarn.vllm.staging.LIVE_BLOCKS` ``["first"]``), else the least recently used slot no request
+(:data:`kvarn.vllm.staging.LIVE_BLOCKS` ``.first``), else the least recently used slot no request
 of this step touches (that request falls back to the quantized tile 0). A request never waits.
 """
 
@@ -61,7 +61,7 @@ class SinkPool:
         """A free slot, else the LRU idle slot (dead first); -1 when every slot is busy this step."""
         if self._free:
             return self._free.pop()
-        live = LIVE_BLOCKS.get("first")
+        live = LIVE_BLOCKS.first
         idle = [b for b in self.slot_of_block if b not in busy]
         dead = [b for b in idle if live is not None and b not in live]
         if not idle:

@@ -8,7 +8,7 @@ When the block fills, its tile is quantized into the page; the slot keeps the ex
 (speculative decoding rolls the sequence back into the tile) still finds them.
 
 Bound: a request owns at most one partially filled block, so the pool has ``max_num_seqs`` slots,
-allocated at start-up (:class:`kvarn.vllm.backend.KvarnAttentionImpl`). A new block takes a free
+allocated at start-up by the attention impls. A new block takes a free
 slot, else the least recently used slot that no request of this step touches and that holds a
 *full* tile or a *dead* block (the model runner publishes, every step, the block each live request
 is filling: :data:`LIVE_BLOCKS`, see :mod:`kvarn.vllm.live`). In a step planned with
@@ -25,10 +25,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Blocks being filled ("blocks") and first blocks ("first", keys of kvarn.vllm.sinks) of every
-# live request the model runner holds, refreshed each step by kvarn.vllm.live (None: no hook ran,
-# every staged block counts as possibly live).
-LIVE_BLOCKS: dict[str, set[int] | None] = {"blocks": None, "first": None}
+
+@dataclass
+class LiveBlocks:
+    """The blocks live requests hold, refreshed every step by :func:`kvarn.vllm.live.publish`.
+
+    ``blocks``: the block each live request is filling; ``first``: each live request's first block
+    (the keys of :class:`kvarn.vllm.sinks.SinkPool`). None until published: every block then counts
+    as possibly live.
+    """
+
+    blocks: set[int] | None = None
+    first: set[int] | None = None
+
+
+LIVE_BLOCKS = LiveBlocks()
 
 
 class StagingLostError(RuntimeError):
@@ -81,7 +92,7 @@ class StagingPool:
         """A slot for a new block: ``(slot, victim)``, ``victim`` the live block it held, or None."""
         if self._free:
             return self._free.pop(), None
-        live = LIVE_BLOCKS["blocks"]
+        live = LIVE_BLOCKS.blocks
         full = self.block_size
 
         def spare(b: int) -> bool:  # a full tile or a block no live request fills

@@ -192,7 +192,7 @@ def test_served_bits_count_fp16_layers_at_the_cache_dtype() -> None:
     import torch
 
     from kvarn.schemes import Scheme
-    from kvarn.vllm.plugin import served_bits
+    from kvarn.vllm.admission import served_bits
 
     s = Scheme.from_name("kvarn_k4v2_g128_L0fp16_L3fp16")
     packed = Scheme(4, 2, 128).bits_per_element(64)  # 3.5625 at head_dim 64

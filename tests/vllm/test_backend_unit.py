@@ -49,7 +49,7 @@ def test_planner_keeps_a_full_tile_for_a_rollback_and_reuses_it_later(monkeypatc
     (p,) = pool.plan([0, 4], [34], [[5, 6]])  # 1 token + 3 drafts: tile 0 completes, 2 tokens in block 6
     (r,) = pool.plan([0, 4], [35], [[5, 6]])  # 2 drafts rejected: back at position 31
     assert (r.staged(T), r.read_slot) == (31, p.read_slot)
-    monkeypatch.setitem(staging.LIVE_BLOCKS, "blocks", {6, 9})  # the request fills block 6 now
+    monkeypatch.setattr(staging.LIVE_BLOCKS, "blocks", {6, 9})  # the request fills block 6 now
     (n,) = pool.plan([0, 5], [5], [[9]])  # no free slot: the full tile's (block 5) is spare
     assert n.new_slot == p.read_slot and set(pool.slot_of_block) == {6, 9} and not pool.lost
 
@@ -58,14 +58,14 @@ def test_planner_reclaims_dead_blocks_before_live_ones_and_never_reads_lost_ones
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pool = StagingPool(num_slots=2, block_size=T)
-    monkeypatch.setitem(staging.LIVE_BLOCKS, "blocks", {3, 4})
+    monkeypatch.setattr(staging.LIVE_BLOCKS, "blocks", {3, 4})
     pool.plan([0, 5], [5], [[3]])  # A stages 5 tokens in block 3
     pool.plan([0, 5], [5], [[4]])  # B in block 4
     pool.plan([0, 1], [6], [[4]])  # B used more recently
-    monkeypatch.setitem(staging.LIVE_BLOCKS, "blocks", {3, 8})  # B finished
+    monkeypatch.setattr(staging.LIVE_BLOCKS, "blocks", {3, 8})  # B finished
     (c,) = pool.plan([0, 5], [5], [[8]])  # C takes B's slot (dead), not A's (older but live)
     assert set(pool.slot_of_block) == {3, 8} and not pool.lost
-    monkeypatch.setitem(staging.LIVE_BLOCKS, "blocks", {3, 8, 9})  # every staged block live
+    monkeypatch.setattr(staging.LIVE_BLOCKS, "blocks", {3, 8, 9})  # every staged block live
     pool.plan([0, 5], [5], [[9]])  # D: only live slots left: A's (least recently used) is reclaimed
     assert 3 in pool.lost
     with pytest.raises(StagingLostError, match="reclaimed"):
@@ -218,7 +218,7 @@ def test_registration_unknown_name_lists_presets() -> None:
 
 
 def test_page_bytes_and_pool_bytes() -> None:
-    from kvarn.vllm.backend import page_bytes
+    from kvarn.vllm.pages import page_bytes
     from kvarn.vllm.pools import pool_bytes
 
     s = Scheme(4, 2, 128)
@@ -251,7 +251,7 @@ def test_impl_and_builder_in_a_vllm_config(tmp_path: Any, monkeypatch: pytest.Mo
     from kvarn.vllm import plugin
     from kvarn.vllm.backend import KvarnAttentionImpl, KvarnMetadataBuilder
     from kvarn.vllm.pools import pool_bytes
-    from kvarn.vllm.synthetic import write_config_only
+    from tests.vllm.synthetic import write_config_only
 
     plugin.register()
     scheme = Scheme(4, 2, 128, sink_tokens=1)

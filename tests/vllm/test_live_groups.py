@@ -49,15 +49,15 @@ def test_publish_reads_kvarn_groups_at_their_own_block_size() -> None:
     runner = _runner([(32, names[:5]), (128, names[5:])], {"a": req})
     live.publish(runner, SimpleNamespace())
     assert live.kvarn_groups(runner) == [(1, 128, 128, 1)]
-    assert LIVE_BLOCKS["blocks"] == {6} and LIVE_BLOCKS["first"] == {5}
+    assert LIVE_BLOCKS.blocks == {6} and LIVE_BLOCKS.first == {5}
     # one group (every layer full attention): the same as before
     runner = _runner([(128, names)], {"a": SimpleNamespace(num_computed_tokens=300, block_ids=([4, 9, 2],))})
     live.publish(runner, SimpleNamespace())
-    assert LIVE_BLOCKS["blocks"] == {2} and LIVE_BLOCKS["first"] == {4}
+    assert LIVE_BLOCKS.blocks == {2} and LIVE_BLOCKS.first == {4}
     # no KV cache yet: group 0 at the configured block size
     runner = _runner(None, {"a": SimpleNamespace(num_computed_tokens=10, block_ids=([7],))})
     live.publish(runner, SimpleNamespace())
-    assert LIVE_BLOCKS["blocks"] == {7} and LIVE_BLOCKS["first"] == {7}
+    assert LIVE_BLOCKS.blocks == {7} and LIVE_BLOCKS.first == {7}
 
 
 def test_publish_names_kernel_blocks_of_a_hybrid_model() -> None:
@@ -75,7 +75,7 @@ def test_publish_names_kernel_blocks_of_a_hybrid_model() -> None:
         runner.attn_groups = [[SimpleNamespace(layer_names=names, kernel_block_size=128, kernel_block_stride=stride)]]
         live.publish(runner, SimpleNamespace())
         assert live.kvarn_groups(runner) == [(0, 640, 128, stride or 5)]
-        assert LIVE_BLOCKS["blocks"] == {expected} and LIVE_BLOCKS["first"] == {3 * (stride or 5)}
+        assert LIVE_BLOCKS.blocks == {expected} and LIVE_BLOCKS.first == {3 * (stride or 5)}
 
 
 def test_kv_tokens_is_vllms_group_aware_capacity() -> None:

@@ -44,12 +44,12 @@ def test_mla_store_and_decode_match_the_reference(scheme: Scheme) -> None:
     (full tiles through the latent codec, the exact first rows where the scheme keeps them, the
     partial tile exact), and pages hold exactly the codec's records."""
     pytest.importorskip("vllm")
-    from kvarn.vllm.mla import KvarnMLAImpl, _MLAPlanner
+    from kvarn.vllm.mla import KvarnMLAImpl, MLAPlanner
 
     torch.manual_seed(1)
     width = LATENT + ROPE
     slots = 3
-    planner = _MLAPlanner(scheme, slots)
+    planner = MLAPlanner(scheme, slots)
     impl = KvarnMLAImpl.__new__(KvarnMLAImpl)  # the parts a forward uses, without a vLLM config
     cap = T if scheme.sink_tile else scheme.sink_tokens
     impl.scheme, impl.kv_lora_rank, impl.qk_rope_head_dim, impl.width = scheme, LATENT, ROPE, width

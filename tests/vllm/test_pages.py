@@ -137,7 +137,7 @@ def test_fp16_layers_served_by_vllms_cache(fp16_run: RunResult, reference: Simpl
     running the same preset (fp16 layers exact there)."""
     import torch
 
-    from kvarn.vllm.plugin import served_bits
+    from kvarn.vllm.admission import served_bits
     from kvarn.vllm.pools import pool_bytes
 
     scheme = _fp16_ends()
@@ -163,7 +163,7 @@ def test_fp16_layers_served_by_vllms_cache(fp16_run: RunResult, reference: Simpl
 def test_page_bytes_skip_fp16_layers() -> None:
     """The widest kvarn page is over the quantized layers; an fp16 layer has no kvarn page."""
     from kvarn.schemes import Scheme
-    from kvarn.vllm.backend import layer_page_bytes, page_bytes
+    from kvarn.vllm.pages import layer_page_bytes, page_bytes
 
     s = Scheme.from_name("kvarn_k4v2_g128_L0fp16_L1k4v4")
     assert page_bytes(s, 64, 30) == Scheme(4, 4, 128).tile_bytes(64)
@@ -183,7 +183,7 @@ def test_builders_of_one_model_share_one_planner(tmp_path: Any) -> None:
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     from kvarn.vllm.backend import KvarnMetadataBuilder
-    from kvarn.vllm.synthetic import write_config_only
+    from tests.vllm.synthetic import write_config_only
 
     name = _mixed().name
     model = str(write_config_only(tmp_path / "m", num_hidden_layers=30))

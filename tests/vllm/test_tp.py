@@ -49,7 +49,7 @@ def _net_tokens(num_kv_heads: int, layers: int = 2, head_dim: int = 64, slots: i
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 on CPU needs 2 cores")
 def test_tp2_matches_tp1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvarn.vllm.synthetic import make_tiny_llama
+    from tests.vllm.synthetic import make_tiny_llama
 
     model = make_tiny_llama(tmp_path / "tiny", head_dim=64, num_layers=2, num_heads=4, num_kv_heads=2)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")

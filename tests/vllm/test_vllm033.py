@@ -275,7 +275,10 @@ def check_backend(tmp: Path) -> Any:
                 assert p.name in mine or takes_kw, f"{sub.__name__}.{attr} lacks {p.name!r} of {base.__name__}"
     name = "kvarn_k4v2_g128"
     assert cls.supports_kv_cache_dtype(name) and not cls.supports_kv_cache_dtype("auto")
-    kb._ACTIVE["current"] = (name, 30)  # as recorded when the model's attention layers are built
+    from kvarn.vllm.pages import ACTIVE
+    from kvarn.vllm.registry import scheme_of
+
+    ACTIVE.record(scheme_of(name), 30)  # as recorded when the model's attention layers are built
     spec = FullAttentionSpec(
         block_size=128, num_kv_heads=3, head_size=64, dtype=torch.uint8, kv_quant_mode=get_kv_quant_mode(name)
     )
@@ -302,10 +305,10 @@ def check_platform(tmp: Path) -> Any:
     from vllm.platforms.interface import DeviceCapability
     from vllm.v1.attention.selector import AttentionSelectorConfig, get_attn_backend
 
-    from kvarn.vllm import plugin
+    from kvarn.vllm import patches, plugin
 
     CudaPlatform.get_device_capability = classmethod(lambda cls, device_id=0: DeviceCapability(9, 0))  # type: ignore[method-assign,assignment]
-    plugin._patch_platform(CudaPlatform)
+    patches.patch_platform(CudaPlatform, plugin.BACKEND_PATH, plugin.MLA_BACKEND_PATH)
     name = "kvarn_k4v2_g128"
     sel = AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16, kv_cache_dtype=name, block_size=128)
     kvarn = CudaPlatform.get_attn_backend_cls(None, sel, num_heads=9)
@@ -388,12 +391,11 @@ def check_layer_specs(tmp: Path) -> Any:
         from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 
     from kvarn.schemes import Scheme
-    from kvarn.vllm.backend import install_layer_specs, packed_spec
+    from kvarn.vllm.pages import packed_spec
     from kvarn.vllm.plugin import register
 
-    register()
+    register()  # installs the layer hook (kvarn.vllm.patches.patch_attention_kv_cache_spec)
     params = list(inspect.signature(Attention.get_kv_cache_spec).parameters)
-    install_layer_specs()
     fields = [
         f for f in ("kv_cache_dtype_skip_layers", "skip_page_size_padded") if f in CacheConfig.__dataclass_fields__
     ]
@@ -459,15 +461,16 @@ def check_hybrid_alignment(tmp: Path) -> Any:
     from vllm.model_executor.models import ModelRegistry
     from vllm.platforms.cpu import CpuPlatform
 
-    from kvarn.vllm import plugin
-    from kvarn.vllm.backend import KvarnAttentionBackend, hybrid_token_bytes
+    from kvarn.vllm import patches, plugin
+    from kvarn.vllm.backend import KvarnAttentionBackend
+    from kvarn.vllm.pages import hybrid_token_bytes
     from tests.models.builders import granite_hybrid_config
 
     for module in (vllm.platforms, vllm.engine.arg_utils):  # 0.33.0 here: the CPU platform stands in
         if module.current_platform.is_unspecified():
             module.current_platform = CpuPlatform()  # type: ignore[attr-defined]
     plugin.register()
-    plugin._patch_platform(CpuPlatform)
+    patches.patch_platform(CpuPlatform, plugin.BACKEND_PATH, plugin.MLA_BACKEND_PATH)
     hf = granite_hybrid_config()
     hf.architectures = ["GraniteMoeHybridForCausalLM"]  # what a saved model writes
     hf.save_pretrained(tmp / "granite")

@@ -1,0 +1,255 @@
+"""Which models and settings kvarn serves on vLLM, and the refusals that name what it cannot.
+
+Run in the front end from :func:`kvarn.vllm.patches.patch_create_engine_config` (every check before
+an engine process starts) and from the platform's config update (:func:`mla_settings`):
+
+- :func:`check_model` raises ``ValueError`` for a model or block size kvarn cannot serve;
+- :func:`keep_16bit_layers` gives the layers kvarn does not quantize (sliding-window layers, fp16
+  layer overrides) to vLLM's own cache through ``kv_cache_dtype_skip_layers``;
+- :func:`mla_settings` sets an MLA model's block size, chunked prefill and prefix caching.
+
+Every check reads the Scheme the registry resolved for the dtype (:data:`kvarn.vllm.registry.DTYPES`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kvarn.schemes import PresetError, Scheme, UnknownSchemeError
+from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
+from kvarn.vllm.registry import is_kvarn_dtype, scheme_of
+
+logger = logging.getLogger("kvarn.vllm")
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def check_model(name: str, vllm_config: Any) -> None:
+    """Start-up checks in the front-end process: raise ``ValueError`` naming what kvarn cannot serve."""
+
+    scheme = scheme_of(name)
+    model = vllm_config.model_config
+    block = vllm_config.cache_config.block_size
+    if model is not None:
+        _check_layers(name, model)
+        _check_fp16_layers(name, scheme, model)
+    hybrid = model is not None and getattr(model, "is_hybrid", False)
+    if hybrid:
+        _check_hybrid_pages(name, scheme, vllm_config)
+    if block != scheme.group_size and not (hybrid and block % scheme.group_size == 0):
+        raise ValueError(
+            f"kv_cache_dtype={name!r} needs block_size={scheme.group_size} (one vLLM block = one tile), "
+            f"got block_size={block}; pass block_size={scheme.group_size} (--block-size {scheme.group_size}) "
+            "or leave it unset"
+        )
+
+
+def _check_hybrid_pages(name: str, scheme: Scheme, vllm_config: Any) -> None:
+    """A hybrid model's blocks hold several tiles, which vLLM splits into one-tile kernel blocks for
+    kvarn; in kvarn's LBHNC layout it can only split unpadded pages. So every quantized layer's tile
+    records (KV heads x ``tile_bytes``) must have one size, a multiple of the tile's tokens (then
+    the Mamba page is padded to kvarn's instead): a mixed-bit preset, an fp16 override, or a record
+    size the tile does not divide is refused here rather than in the engine."""
+    model = vllm_config.model_config
+    heads, head = model.get_num_kv_heads(vllm_config.parallel_config), model.get_head_size()
+    types = layer_types(model.hf_text_config)
+    fp16 = fp16_layers(scheme, len(types))
+    pages = {heads * s.tile_bytes(head) for i in range(len(types)) if (s := scheme.for_layer(i)) is not None}
+    why = ""
+    if fp16:
+        why = f"fp16 layer overrides (layers {_ranges(fp16)})"
+    elif len(pages) > 1:
+        why = f"layers of different widths (pages of {', '.join(f'{p:,}' for p in sorted(pages))} bytes)"
+    elif pages.pop() % scheme.group_size:
+        why = f"a page of {heads} x {scheme.tile_bytes(head):,} bytes, not a multiple of {scheme.group_size} tokens"
+    if why:
+        raise ValueError(
+            f"kv_cache_dtype={name!r} cannot serve the hybrid model {model.model}: {why}. Its attention pages would "
+            "need padding, and vLLM cannot split padded blocks into one-tile kernel blocks. Use a preset with the "
+            "same bits on every layer (e.g. kvarn_k4v2_g128)."
+        )
+
+
+def fp16_layers(scheme: Scheme, num_layers: int) -> list[int]:
+    """The layers a scheme keeps unquantized (``_L{a}-{b}fp16`` overrides), of ``num_layers``."""
+    return [i for i in range(num_layers) if scheme.for_layer(i) is None]
+
+
+def _check_fp16_layers(name: str, scheme: Scheme, model: Any) -> None:
+    """fp16 layer overrides are served by vLLM's own cache (:func:`keep_16bit_layers`): a full-attention
+    layer must be left for kvarn, and (not implemented) none may be a full-attention layer beside
+    sliding-window layers. An override on a sliding-window layer changes nothing (it is 16-bit)."""
+    types = layer_types(model.hf_text_config)
+    fp16 = fp16_layers(scheme, len(types))
+    full_fp16 = [i for i in fp16 if types[i] == FULL]
+    if not full_fp16:
+        return
+    if SLIDING in types:
+        raise ValueError(
+            f"kv_cache_dtype={name!r} cannot serve {model.model}: fp16 layer overrides on full-attention "
+            f"layers ({_ranges(full_fp16)}) of a model with sliding-window layers are not supported (their "
+            "16-bit pages would not fit the page the sliding and kvarn layers share). Use a preset without "
+            "them for this model."
+        )
+    if len(full_fp16) == types.count(FULL):
+        raise ValueError(
+            f"kv_cache_dtype={name!r} keeps every layer of {model.model} unquantized (fp16 overrides on "
+            f"layers {_ranges(fp16)}): nothing would be quantized (use kv_cache_dtype='auto')"
+        )
+
+
+def _ranges(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    for i in layers:
+        if out and out[-1].split("-")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
+
+
+def _check_layers(name: str, model: Any) -> None:
+    """The model's layers, before the block size: vLLM may have changed it for a model kvarn refuses."""
+    bad = []
+    hf = model.hf_text_config
+    types = layer_types(hf)
+    kinds = ", ".join(sorted(set(types)))
+    if model.use_mla:
+        bad += _mla_problems(name, model)
+    elif getattr(model, "is_hybrid", False):
+        if SLIDING in types or "chunked_attention" in types:
+            bad.append(f"layer types {kinds}: sliding-window or chunked attention in a hybrid model (not implemented)")
+    elif not set(types) <= {FULL, SLIDING}:
+        bad.append(
+            f"layer types {kinds} (kvarn serves {FULL} layers, {SLIDING} layers kept 16-bit beside them, and "
+            "the attention layers of hybrid Mamba / linear-attention models; chunked attention is not supported)"
+        )
+    elif FULL not in types:
+        bad.append(
+            f"sliding-window layers (window {getattr(hf, 'sliding_window', None)}) on every layer: kvarn quantizes "
+            f"{FULL} layers and keeps sliding-window layers 16-bit, so nothing would be quantized "
+            "(use kv_cache_dtype='auto')"
+        )
+    head = model.get_head_size()
+    if not model.use_mla and head not in ALLOWED_HEAD_DIMS:  # MLA: its head size is the latent's
+        bad.append(f"head_dim {head} (supported: {', '.join(map(str, ALLOWED_HEAD_DIMS))})")
+    cap = getattr(hf, "attn_logit_softcapping", None)
+    if cap:  # Gemma 2: the attention layers would refuse it in the engine; say it here
+        bad.append(f"attention logits soft cap ({cap}): kvarn's attention kernels do not apply one")
+    if model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        bad.append(f"model dtype {model.dtype} (supported: float16, bfloat16, float32)")
+    if bad:
+        raise ValueError(
+            f"kv_cache_dtype={name!r} cannot serve {model.model}: unsupported {'; '.join(bad)}. "
+            "Serve this model with another kv_cache_dtype."
+        )
+
+
+def _mla_problems(name: str, model: Any) -> list[str]:
+    """What kvarn's MLA path (:mod:`kvarn.vllm.mla`) cannot serve in an MLA model."""
+    from vllm.platforms import current_platform
+
+    hf = model.hf_text_config
+    latent, rope = int(getattr(hf, "kv_lora_rank", 0) or 0), int(getattr(hf, "qk_rope_head_dim", 0) or 0)
+    bad = []
+    if latent % 128 or latent + rope not in (320, 576):
+        bad.append(
+            f"MLA latent width {latent} + RoPE {rope} (kvarn: a latent that is a multiple of 128, latent + RoPE "
+            "320 or 576 as vLLM's MLA layers take)"
+        )
+    if getattr(hf, "index_topk", None) or getattr(model, "use_sparse", False):
+        bad.append("sparse MLA (an indexer selecting top-k tokens)")
+    if scheme_of(name).overrides:
+        bad.append("per-layer bit overrides on an MLA model (kvarn's MLA pages have one size)")
+    if getattr(model, "is_hybrid", False):
+        bad.append("MLA layers in a hybrid (Mamba / linear-attention) model (not implemented)")
+    if not current_platform.is_cpu():
+        bad.append("MLA on this platform (kvarn serves MLA on vLLM's CPU backend only; no GPU kernels for it yet)")
+    return bad
+
+
+def layer_types(hf_config: Any) -> list[str]:
+    """Each layer's attention type, as transformers reads it: ``layer_types``, else every layer
+    ``sliding_attention`` when ``sliding_window`` is set (and ``use_sliding_window`` is not false), else
+    every layer ``full_attention``."""
+    n = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    types = list(getattr(hf_config, "layer_types", None) or [])
+    if types:
+        return types
+    window = getattr(hf_config, "sliding_window", None)
+    sliding = window is not None and getattr(hf_config, "use_sliding_window", True) is not False
+    return [SLIDING if sliding else FULL] * max(n, 1)
+
+
+def keep_16bit_layers(vllm_config: Any) -> list[str]:
+    """Give the layers kvarn does not quantize to vLLM's own 16-bit cache, spec and attention backend,
+    through vLLM's ``kv_cache_dtype_skip_layers`` (vLLM 0.32 and 0.33 build a layer with
+    ``kv_cache_dtype="auto"`` when its index, as a string, or ``"sliding_window"`` for a layer with a
+    window, is in that list): ``sliding_window`` for a model with sliding-window layers beside
+    full-attention ones, and the index of every layer the scheme keeps unquantized (fp16 overrides).
+    kvarn quantizes the rest. Returns the entries it added."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    if model is None:
+        return []
+    types = layer_types(model.hf_text_config)
+    wanted = ["sliding_window"] if SLIDING in types else []
+    scheme = scheme_of(cache.cache_dtype)
+    fp16 = fp16_layers(scheme, len(types))
+    wanted += [str(i) for i in fp16]
+    added = [w for w in wanted if w not in cache.kv_cache_dtype_skip_layers]
+    if added:
+        cache.kv_cache_dtype_skip_layers = sorted({*cache.kv_cache_dtype_skip_layers, *added})
+    if SLIDING in types:
+        logger.info("kvarn %s: sliding-window layers stay 16-bit (vLLM's own cache)", cache.cache_dtype)
+    if fp16:
+        logger.info(
+            "kvarn %s: layers %s stay unquantized on vLLM's own cache (%s); %.3f bits per cached number over "
+            "the %d layers",
+            cache.cache_dtype,
+            _ranges(fp16),
+            model.dtype,
+            served_bits(scheme, model.get_head_size(), len(types), model.dtype),
+            len(types),
+        )
+    return added
+
+
+def served_bits(scheme: Scheme, head_dim: int, num_layers: int, dtype: torch.dtype) -> float:
+    """Stored bits per cached number over ``num_layers`` full-attention layers as vLLM serves them:
+    each quantized layer its own scheme's packed tiles, each fp16-override layer vLLM's own cache in
+    the model dtype (16 bits for bfloat16 / float16, 32 for float32). Pools and sinks not counted.
+
+    Equals ``scheme.bits_per_element(head_dim, num_layers)`` for a 16-bit model dtype."""
+    return float(scheme.bits_per_element(head_dim, num_layers, unquantized_bits=8.0 * dtype.itemsize))
+
+
+def mla_settings(vllm_config: Any) -> None:
+    """An MLA model on a kvarn dtype: blocks of one tile, no chunked prefill, no prefix caching.
+
+    vLLM's CPU platform forces 16-token blocks for its own MLA kernel (kvarn's MLA backend is not
+    that kernel) and turns chunked prefill and prefix caching off unless AMX serves MLA; kvarn's
+    MLA path needs them off always (its prefill attends the step's own tokens only).
+    """
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    if model is None or not getattr(model, "use_mla", False) or not is_kvarn_dtype(cache.cache_dtype):
+        return
+    try:
+        tile = scheme_of(cache.cache_dtype).group_size
+    except (UnknownSchemeError, PresetError):
+        return  # resolve_dtype reports it
+    cache.block_size = tile
+    cache.enable_prefix_caching = False
+    sched = vllm_config.scheduler_config
+    sched.enable_chunked_prefill = False
+    sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, model.max_model_len)
+    logger.info(
+        "kvarn %s on an MLA model: block_size %d (one tile; not the 16 of vLLM's own CPU MLA kernel), chunked "
+        "prefill and prefix caching off",
+        cache.cache_dtype,
+        tile,
+    )

@@ -1,0 +1,178 @@
+"""The slot planning of one model's kvarn layers, shared by all their metadata builders.
+
+Layers of different page sizes (a mixed-bit preset) fall into different vLLM attention groups,
+each with its own builder, all called every step with the same ``CommonAttentionMetadata``. The
+staging and sink slots are the same for every layer, so the first builder of a step plans them and
+the others reuse its :class:`~kvarn.vllm.step.StepTensors` (planning twice would advance the pools
+twice). :func:`shared_planner` hands every builder of one engine configuration the same planner:
+a :class:`StepPlanner` for the standard backend, a :class:`kvarn.vllm.mla.MLAPlanner` for MLA.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from kvarn.schemes import Scheme
+from kvarn.vllm.pools import POOLS, sink_capacity
+from kvarn.vllm.registry import DTYPES
+from kvarn.vllm.sinks import SinkPool
+from kvarn.vllm.staging import RequestPlan, StagingPool
+from kvarn.vllm.step import StepTensors, build_step
+
+logger = logging.getLogger("kvarn.vllm")
+
+StepT = TypeVar("StepT")
+
+
+class Planner(Generic[StepT]):
+    """Plans each step's staging and sink slots once, for every kvarn layer of one model.
+
+    ``build(m)`` returns the step's tensors; called again with the same step's metadata (the same
+    object, or vLLM's copy of it for another group) it returns the tensors it already built.
+    """
+
+    def __init__(self, scheme: Scheme, slots: int) -> None:
+        self.scheme = scheme
+        self.pool = StagingPool(slots, scheme.group_size)
+        cap = sink_capacity(scheme)
+        self.sinks = SinkPool(slots, cap, scheme.group_size) if cap else None
+        self.warned_missing = False
+        self.layers: set[str] = set()  # the layers whose builders share this planner
+        # the last step's metadata (held, so that its id cannot be reused) and its tensors
+        self.last: tuple[CommonAttentionMetadata, StepT] | None = None
+
+    def build(self, m: CommonAttentionMetadata) -> StepT:
+        """The step's tensors, planned on the step's first call."""
+        if self.last is not None and self._same_step(self.last[0], m):
+            return self.last[1]
+        step = self.plan(m)
+        self.last = (m, step)
+        return step
+
+    @staticmethod
+    def _same_step(a: CommonAttentionMetadata, b: CommonAttentionMetadata) -> bool:
+        # the same object, or a copy vLLM made of it for another group (its tensors are shared)
+        return a is b or (
+            a.query_start_loc_cpu is b.query_start_loc_cpu
+            and a.seq_lens is b.seq_lens
+            and torch.equal(a.block_table_tensor, b.block_table_tensor)
+        )
+
+    def plan(self, m: CommonAttentionMetadata) -> StepT:
+        """Plan one step's slots and build its tensors."""
+        raise NotImplementedError
+
+    def writes(self, plans: list[RequestPlan], m: CommonAttentionMetadata, decode: bool) -> StepTensors:
+        """The :class:`StepTensors` of planned requests on the device of ``m``'s block table."""
+        table = m.block_table_tensor[: m.num_reqs]
+        return build_step(
+            plans,
+            table,
+            self.scheme.group_size,
+            sink_tile=self.scheme.sink_tile,
+            has_sink=self.sinks is not None,
+            decode=decode,
+        )
+
+    def plan_requests(self, m: CommonAttentionMetadata) -> tuple[list[RequestPlan], bool]:
+        """The staging (and sink) plans of one step's requests, and whether it is a decode step."""
+        n, t = m.num_reqs, self.scheme.group_size
+        qsl = m.query_start_loc_cpu[: n + 1].tolist()
+        seq_lens = m.seq_lens[:n].cpu().tolist()
+        host = m.block_table_tensor[:n].cpu()
+        rows = [host[i, : (s + t - 1) // t].tolist() for i, s in enumerate(seq_lens)]
+        decode = all(b - a == 1 for a, b in zip(qsl, qsl[1:], strict=False))
+        plans = self.pool.plan(qsl, seq_lens, rows, reuse_now=not decode)
+        if self.sinks is not None:
+            self.sinks.plan(plans)
+            if self.sinks.missing and not self.warned_missing:
+                self.warned_missing = True
+                logger.warning(
+                    "kvarn %s: a request reads its first tile without its exact copies (their sink slot was "
+                    "reclaimed: a prefix-cache hit on a sequence that ended long ago); it reads tile 0 "
+                    "quantized. Logged once.",
+                    self.scheme.name,
+                )
+        return plans, decode
+
+
+class StepPlanner(Planner[StepTensors]):
+    """The planner of the standard backend: a step is one :class:`StepTensors`."""
+
+    def plan(self, m: CommonAttentionMetadata) -> StepTensors:
+        plans, decode = self.plan_requests(m)
+        return self.writes(plans, m, decode)
+
+
+P = TypeVar("P", bound=Planner[Any])
+
+
+@dataclass
+class Planners:
+    """One :class:`Planner` per engine configuration in this process (``id(vllm_config)`` ->
+    the configuration, held so that its id cannot be reused, and its planner)."""
+
+    by_config: dict[int, tuple[VllmConfig, Planner[Any]]] = field(default_factory=dict)
+
+    def get(self, vllm_config: VllmConfig, scheme: Scheme, names: set[str], factory: type[P]) -> P | None:
+        """The planner of ``vllm_config`` if builders of other layers share it now, else None."""
+        shared = self.by_config.get(id(vllm_config))
+        if (
+            shared is None
+            or shared[0] is not vllm_config
+            or type(shared[1]) is not factory
+            or not isinstance(shared[1], factory)
+            or shared[1].scheme != scheme
+            or names & shared[1].layers  # builders are being made anew (a new KV cache)
+        ):
+            return None
+        return shared[1]
+
+    def put(self, vllm_config: VllmConfig, planner: Planner[Any]) -> None:
+        self.by_config[id(vllm_config)] = (vllm_config, planner)
+
+
+PLANNERS = Planners()
+
+
+def shared_planner(vllm_config: VllmConfig, block_size: int, layer_names: list[str], factory: type[P]) -> P:
+    """The planner the kvarn layers of one engine share (made by the first metadata builder; a new
+    one when builders are made anew for a new KV cache), logging the pools' size when made.
+
+    Raises:
+        ValueError: the builder's ``block_size`` is not one tile of the engine's scheme.
+    """
+    scheme = DTYPES.scheme(str(vllm_config.cache_config.cache_dtype))
+    t = scheme.group_size
+    if block_size != t:
+        raise ValueError(
+            f"kv_cache_dtype={scheme.name} needs block_size={t} (one vLLM block = one tile), "
+            f"got {block_size}; pass block_size={t} (--block-size {t})"
+        )
+    names = set(layer_names)
+    planner = PLANNERS.get(vllm_config, scheme, names, factory)
+    if planner is not None:
+        planner.layers |= names
+        return planner
+    slots = DTYPES.staging_slots(vllm_config.scheduler_config.max_num_seqs)
+    planner = factory(scheme, slots)
+    planner.layers |= names
+    PLANNERS.put(vllm_config, planner)
+    cap = sink_capacity(scheme)
+    what = "the first tile (16-bit)" if scheme.sink_tile else f"the first {cap} tokens"
+    logger.warning(
+        "kvarn %s: staging of partial tiles%s: %d slots (max_num_seqs) = %.1f MiB over %d layers, "
+        "allocated before the KV cache and counted against its memory",
+        scheme.name,
+        f" and exact copies of {what}" if cap else "",
+        slots,
+        POOLS.bytes / 2**20,
+        POOLS.layers,
+    )
+    return planner
