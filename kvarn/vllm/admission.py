@@ -187,9 +187,8 @@ def layer_types(hf_config: Any) -> list[str]:
 
 def keep_16bit_layers(vllm_config: Any) -> list[str]:
     """Give the layers kvarn does not quantize to vLLM's own 16-bit cache, spec and attention backend,
-    through vLLM's ``kv_cache_dtype_skip_layers`` (vLLM 0.32 and 0.33 build a layer with
-    ``kv_cache_dtype="auto"`` when its index, as a string, or ``"sliding_window"`` for a layer with a
-    window, is in that list): ``sliding_window`` for a model with sliding-window layers beside
+    through vLLM's ``kv_cache_dtype_skip_layers`` (vLLM builds a layer with ``kv_cache_dtype="auto"``
+    when its index, as a string, or ``"sliding_window"`` for a layer with a window, is in that list): ``sliding_window`` for a model with sliding-window layers beside
     full-attention ones, and the index of every layer the scheme keeps unquantized (fp16 overrides).
     kvarn quantizes the rest. Returns the entries it added."""
     model = vllm_config.model_config

@@ -1,17 +1,15 @@
 """Every patch kvarn makes to vLLM's internals, in one place, installed once per process.
 
 :func:`install` runs from the plugin entry point (:func:`kvarn.vllm.plugin.register`), which vLLM
-calls in every process (front end, engine core, workers). Each ``patch_*`` function wraps one vLLM
-method (``functools.wraps``: the method's name, docstring and signature stay vLLM's), marks the
-class it patched (``_kvarn_patches`` in the class's own ``__dict__``), and does nothing when called
-again. A wrapper does exactly what vLLM did unless the ``kv_cache_dtype`` is a
-kvarn name (:func:`kvarn.vllm.registry.is_kvarn_dtype`).
+calls in every process (front end, engine core, workers). Each ``patch_*`` wraps one vLLM method
+(``functools.wraps`` where vLLM may read its signature), marks the class it patched (``_kvarn_patches``
+in the class's own ``__dict__``) and does nothing when called again. A wrapper does what vLLM did
+unless the ``kv_cache_dtype`` is a kvarn name (:func:`kvarn.vllm.registry.is_kvarn_dtype`).
 
 Each docstring says what the patch replaces, the vLLM versions it was checked on (:data:`CHECKED_ON`;
-what differs between them: ``docs/vllm_versions.md``) and the upstream API that would retire it.
-vLLM's own hooks are used where they exist and are not patches: 0.33's ``register_kv_cache_dtype``
-(:mod:`kvarn.vllm.compat`) and the attention-backend registry (``register_backend``, in
-:mod:`kvarn.vllm.plugin`).
+their differences: ``docs/vllm_versions.md``) and the upstream API that would retire it. vLLM's own
+hooks are no patches: 0.33's ``register_kv_cache_dtype`` (:mod:`kvarn.vllm.compat`) and the
+attention-backend registry (``register_backend``, :mod:`kvarn.vllm.plugin`).
 """
 
 from __future__ import annotations
@@ -372,24 +370,12 @@ def extend_cache_dtype_literal(names: list[str]) -> None:
     arg_utils._compute_kwargs.cache_clear()
 
 
-# ---- installing them ----------------------------------------------------------------------------------
-
-
-def _import(module: str, name: str) -> Any:
-    """``module.name``, or None (logged) when this vLLM has no such module or attribute."""
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        logger.debug("kvarn: %s.%s not found (%s); its patch is not installed", module, name, e)
-        return None
-
-
 def install(resolve: Resolver, *, backend: str, mla_backend: str) -> None:
     """Install every patch in this process (each once; calling again changes nothing).
 
-    Args:
-        resolve: the ``kv_cache_dtype`` resolver (:func:`kvarn.vllm.plugin.resolve_dtype`).
-        backend, mla_backend: class paths of the kvarn attention backends.
+    ``resolve``: the ``kv_cache_dtype`` resolver (:func:`kvarn.vllm.plugin.resolve_dtype`);
+    ``backend``, ``mla_backend``: class paths of the kvarn attention backends. A worker-side target
+    this vLLM lacks is skipped (logged at debug level).
     """
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
@@ -404,6 +390,9 @@ def install(resolve: Resolver, *, backend: str, mla_backend: str) -> None:
         (patch_mla_update_kv_cache, "vllm.model_executor.layers.attention.mla_attention", "MLAAttention"),
     ]
     for patch, module, name in targets:
-        target = _import(module, name)
-        if target is not None:
-            patch(target)
+        try:
+            target = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            logger.debug("kvarn: %s.%s not found (%s); its patch is not installed", module, name, e)
+            continue
+        patch(target)

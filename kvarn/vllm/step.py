@@ -6,7 +6,7 @@ scheme keeps them) and the tokens of tile ``j`` up to itself exactly. So a promp
 result whether its prefix was cached and however the scheduler splits it into chunks.
 
 Each request's new tokens are cut into *segments*, one per tile they fall in; the attention ops
-see one sequence per segment (:func:`kvarn.kernels.ops.prefill_attention`): context = the packed
+see one sequence per segment (:func:`kvarn.kernels.triton.ops.prefill_attention`): context = the packed
 tiles before the segment's tile, then the staged tokens of that tile before the segment (first
 segment only), then the segment's own keys causally. A step where every request has one new
 token (decode) gives one row per request to ``decode_attention`` instead, its new token written
