@@ -8,7 +8,7 @@ an engine process starts) and from the platform's config update (:func:`mla_sett
   layer overrides) to vLLM's own cache through ``kv_cache_dtype_skip_layers``;
 - :func:`mla_settings` sets an MLA model's block size, chunked prefill and prefix caching.
 
-Every check reads the Scheme the registry resolved for the dtype (:data:`kvarn.vllm.registry.DTYPES`).
+The checks take the Scheme the registry resolved for the dtype (:data:`kvarn.vllm.registry.DTYPES`).
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ logger = logging.getLogger("kvarn.vllm")
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
-def check_model(name: str, vllm_config: Any) -> None:
-    """Start-up checks in the front-end process: raise ``ValueError`` naming what kvarn cannot serve."""
-
-    scheme = scheme_of(name)
+def check_model(name: str, scheme: Scheme, vllm_config: Any) -> None:
+    """Start-up checks in the front-end process: raise ``ValueError`` naming what kvarn cannot serve
+    with ``scheme`` (the Scheme of the dtype ``name``)."""
     model = vllm_config.model_config
     block = vllm_config.cache_config.block_size
     if model is not None:
-        _check_layers(name, model)
+        _check_layers(name, scheme, model)
         _check_fp16_layers(name, scheme, model)
     hybrid = model is not None and getattr(model, "is_hybrid", False)
     if hybrid:
@@ -112,14 +111,14 @@ def _ranges(layers: list[int]) -> str:
     return ", ".join(out)
 
 
-def _check_layers(name: str, model: Any) -> None:
+def _check_layers(name: str, scheme: Scheme, model: Any) -> None:
     """The model's layers, before the block size: vLLM may have changed it for a model kvarn refuses."""
     bad = []
     hf = model.hf_text_config
     types = layer_types(hf)
     kinds = ", ".join(sorted(set(types)))
     if model.use_mla:
-        bad += _mla_problems(name, model)
+        bad += _mla_problems(scheme, model)
     elif getattr(model, "is_hybrid", False):
         if SLIDING in types or "chunked_attention" in types:
             bad.append(f"layer types {kinds}: sliding-window or chunked attention in a hybrid model (not implemented)")
@@ -149,7 +148,7 @@ def _check_layers(name: str, model: Any) -> None:
         )
 
 
-def _mla_problems(name: str, model: Any) -> list[str]:
+def _mla_problems(scheme: Scheme, model: Any) -> list[str]:
     """What kvarn's MLA path (:mod:`kvarn.vllm.mla`) cannot serve in an MLA model."""
     from vllm.platforms import current_platform
 
@@ -163,7 +162,7 @@ def _mla_problems(name: str, model: Any) -> list[str]:
         )
     if getattr(hf, "index_topk", None) or getattr(model, "use_sparse", False):
         bad.append("sparse MLA (an indexer selecting top-k tokens)")
-    if scheme_of(name).overrides:
+    if scheme.overrides:
         bad.append("per-layer bit overrides on an MLA model (kvarn's MLA pages have one size)")
     if getattr(model, "is_hybrid", False):
         bad.append("MLA layers in a hybrid (Mamba / linear-attention) model (not implemented)")
@@ -185,7 +184,7 @@ def layer_types(hf_config: Any) -> list[str]:
     return [SLIDING if sliding else FULL] * max(n, 1)
 
 
-def keep_16bit_layers(vllm_config: Any) -> list[str]:
+def keep_16bit_layers(vllm_config: Any, scheme: Scheme) -> list[str]:
     """Give the layers kvarn does not quantize to vLLM's own 16-bit cache, spec and attention backend,
     through vLLM's ``kv_cache_dtype_skip_layers`` (vLLM builds a layer with ``kv_cache_dtype="auto"``
     when its index, as a string, or ``"sliding_window"`` for a layer with a window, is in that list): ``sliding_window`` for a model with sliding-window layers beside
@@ -197,7 +196,6 @@ def keep_16bit_layers(vllm_config: Any) -> list[str]:
         return []
     types = layer_types(model.hf_text_config)
     wanted = ["sliding_window"] if SLIDING in types else []
-    scheme = scheme_of(cache.cache_dtype)
     fp16 = fp16_layers(scheme, len(types))
     wanted += [str(i) for i in fp16]
     added = [w for w in wanted if w not in cache.kv_cache_dtype_skip_layers]

@@ -129,8 +129,9 @@ def patch_create_engine_config(engine_args: Any, resolve: Resolver) -> None:
         _resolve_args(self, resolve)
         config = original(self, *args, **kwargs)
         if is_kvarn_dtype(config.cache_config.cache_dtype):
-            admission.check_model(config.cache_config.cache_dtype, config)
-            admission.keep_16bit_layers(config)
+            scheme = scheme_of(name := config.cache_config.cache_dtype)
+            admission.check_model(name, scheme, config)
+            admission.keep_16bit_layers(config, scheme)
         return config
 
     engine_args.create_engine_config = create_engine_config
