@@ -216,6 +216,12 @@ def test_decode_mixed_dtypes_fall_back_to_torch() -> None:
 )
 @pytest.mark.parametrize("pooled", [False, True])
 def test_prefill_chunks_after_context(name: str, sink_tokens: int, pooled: bool) -> None:
+    assert _prefill_sqnr(name, sink_tokens, pooled) >= MIN_SQNR_DB
+
+
+def _prefill_sqnr(name: str, sink_tokens: int, pooled: bool) -> float:
+    """SQNR (dB) of ``prefill_attention`` against the float reference: chunks of 7, 1 and 2T+3 new
+    tokens after 2T+5, T and 0 cached tokens, and a sequence with none."""
     sc = scheme(name, sink_tokens)
     t = sc.group_size
     lens, q_lens = [2 * t + 5, t, 0, 3], [7, 1, 2 * t + 3, 0]
@@ -240,13 +246,20 @@ def test_prefill_chunks_after_context(name: str, sink_tokens: int, pooled: bool)
         kk = torch.cat([pb.context_k[b], k[s:e].transpose(0, 1)], 1)
         vv = torch.cat([pb.context_v[b], v[s:e].transpose(0, 1)], 1)
         refs.append(attention(q[s:e], kk, vv, causal_offset=pb.context_k[b].shape[1]))
-    assert sqnr_db(torch.cat(refs), out) >= MIN_SQNR_DB
+    return sqnr_db(torch.cat(refs), out)
 
 
 def test_prefill_short_segments_without_the_native_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the native kernel cannot take the rows, short segments are attended by the prefill path."""
-    monkeypatch.setattr(native, "decode", lambda *args, **kw: False)
-    test_prefill_chunks_after_context("kvarn_k3v2_g32_rot-rh_s8", 4, True)
+    refused: list[int] = []
+
+    def no_native(*args: object, **kw: object) -> bool:
+        refused.append(1)
+        return False
+
+    monkeypatch.setattr(native, "decode", no_native)
+    assert _prefill_sqnr("kvarn_k3v2_g32_rot-rh_s8", 4, True) >= MIN_SQNR_DB
+    assert refused, "the short segments never asked the native kernel"
 
 
 def test_arguments_are_checked_with_names() -> None:
