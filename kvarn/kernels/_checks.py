@@ -39,6 +39,26 @@ def check_tensor(
         raise KernelArgumentError(f"{name} must have a contiguous last axis (stride 1), got strides {t.stride()}")
 
 
+def check_rows(
+    name: str,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: torch.Tensor,
+    slot: torch.Tensor | None,
+    shape: tuple[int, int, int],
+    device: torch.device,
+    slot_dtypes: tuple[torch.dtype, ...],
+) -> None:
+    """Check a tail or sink, ``shape`` = ``(B, Hkv, D)``: per sequence ``[B, Hkv, R, D]``, or a pool
+    ``[slots, Hkv, R, D]`` read at ``slot`` ``[B]``; ``lens`` ``[B]`` int32; ``v`` like ``k``."""
+    bsz, hkv, d = shape
+    check_tensor(f"{name}_k", k, (bsz if slot is None else None, hkv, None, d), FLOAT_DTYPES, device)
+    check_tensor(f"{name}_v", v, tuple(k.shape), (k.dtype,), device)
+    check_tensor(f"{name}_lens", lens, (bsz,), (torch.int32,), device)
+    if slot is not None:
+        check_tensor(f"{name}_slot", slot, (bsz,), slot_dtypes, device)
+
+
 @functools.lru_cache(maxsize=64)
 def rotation(kind: str, head_dim: int, device: torch.device) -> torch.Tensor:
     """``[D, D]`` float32 rotation R on ``device``, contiguous (identity for ``none``)."""

@@ -4,28 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kvarn.kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, KernelArgumentError, check_tensor
+from kvarn.kernels._checks import INDEX_DTYPES, KernelArgumentError, check_rows, check_tensor
 from kvarn.kernels.api import PagedContext
 
 CPU = torch.device("cpu")
-
-
-def _check_rows(
-    name: str,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lens: torch.Tensor,
-    slot: torch.Tensor | None,
-    bsz: int,
-    hkv: int,
-    d: int,
-) -> None:
-    """Tail or sink rows: per sequence ``[B, H, rows, D]``, or a pool ``[slots, H, rows, D]`` with ``slot`` ``[B]``."""
-    check_tensor(f"{name}_k", k, (bsz if slot is None else None, hkv, None, d), FLOAT_DTYPES, CPU)
-    check_tensor(f"{name}_v", v, tuple(k.shape), (k.dtype,), CPU)
-    check_tensor(f"{name}_lens", lens, (bsz,), (torch.int32,), CPU)
-    if slot is not None:
-        check_tensor(f"{name}_slot", slot, (bsz,), INDEX_DTYPES, CPU)
 
 
 def check_indices(p: PagedContext) -> None:
@@ -95,7 +77,7 @@ def _check_layout(ctx: PagedContext, bsz: int, hq: int, d: int) -> None:
     check_tensor("block_table", ctx.block_table, (bsz, None), (torch.int32,), CPU)
     check_tensor("num_tiles", ctx.num_tiles, (bsz,), (torch.int32,), CPU)
     tail_k, tail_v, tail_lens, tail_slot = ctx.tail_k, ctx.tail_v, ctx.tail_lens, ctx.tail_slot
-    _check_rows("tail", tail_k, tail_v, tail_lens, tail_slot, bsz, hkv, d)
+    check_rows("tail", tail_k, tail_v, tail_lens, tail_slot, (bsz, hkv, d), CPU, INDEX_DTYPES)
     if tail_k.shape[2] != scheme.group_size:
         raise KernelArgumentError(f"tail_k must hold group_size={scheme.group_size} rows, got {tail_k.shape[2]}")
     sink_k, sink_v, sink_lens, sink_slot = ctx.sink_k, ctx.sink_v, ctx.sink_lens, ctx.sink_slot
@@ -107,7 +89,7 @@ def _check_layout(ctx: PagedContext, bsz: int, hq: int, d: int) -> None:
     if sink_k is None and sink_slot is not None:
         raise KernelArgumentError("sink_slot given without sink_k, sink_v and sink_lens")
     if sink_k is not None and sink_v is not None and sink_lens is not None:
-        _check_rows("sink", sink_k, sink_v, sink_lens, sink_slot, bsz, hkv, d)
+        check_rows("sink", sink_k, sink_v, sink_lens, sink_slot, (bsz, hkv, d), CPU, INDEX_DTYPES)
         if sink_k.shape[2] < scheme.sink_len:
             raise KernelArgumentError(
                 f"sink_k holds {sink_k.shape[2]} rows; scheme {scheme.name} needs at least {scheme.sink_len}"

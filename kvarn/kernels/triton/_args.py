@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvarn.codec.tiles import layout
-from kvarn.kernels._checks import FLOAT_DTYPES, KernelArgumentError, check_tensor, log8_table, rotation
+from kvarn.kernels._checks import KernelArgumentError, check_rows, log8_table, rotation
 from kvarn.kernels.api import PagedContext
 
 
@@ -26,14 +26,9 @@ def check_staging(
 
     ``rows`` is the allowed range of ``R`` (inclusive); ``lens`` and ``slot`` are ``[B]`` int32.
     """
-    first = bsz if slot is None else None
-    check_tensor(f"{name}_k", k, (first, hkv, None, d), FLOAT_DTYPES, dev)
-    check_tensor(f"{name}_v", v, tuple(k.shape), (k.dtype,), dev)
-    check_tensor(f"{name}_lens", lens, (bsz,), (torch.int32,), dev)
-    if slot is not None:
-        check_tensor(f"{name}_slot", slot, (bsz,), (torch.int32,), dev)
-        if k.shape[0] == 0 and bsz:
-            raise KernelArgumentError(f"{name}_k is an empty pool (0 slots) but {bsz} sequences read it")
+    check_rows(name, k, v, lens, slot, (bsz, hkv, d), dev, (torch.int32,))
+    if slot is not None and k.shape[0] == 0 and bsz:
+        raise KernelArgumentError(f"{name}_k is an empty pool (0 slots) but {bsz} sequences read it")
     lo, hi = rows
     if not lo <= k.shape[2] <= hi:
         want = str(lo) if lo == hi else f"{lo}..{hi}"
