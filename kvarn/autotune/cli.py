@@ -37,6 +37,12 @@ EXIT_CODES: dict[Outcome, int] = {
 }
 MAX_PPL_BUDGET = 100.0  # percent: a perplexity budget is an increase of at most double
 _NEGATIVE_BUDGET_RE = re.compile(r"\s*(?:(?:ppl|kl|greedy)\s*=\s*)?-", re.IGNORECASE)
+# TuneConfig fields taken from the flag of the same name unchanged (the rest are parsed in _config)
+_FLAGS_AS_GIVEN = (
+    "model", "tokens", "holdout", "split", "trials", "timeout", "seed", "storage", "study_name", "pareto",
+    "allow_kv_inversion", "allow_fp16_layers", "context", "max_protect", "prune_tokens", "prune_slack",
+    "sensitivity_tokens", "cache_dir", "confirm", "device", "dtype", "feasibility",
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,34 +186,13 @@ def _config(args: argparse.Namespace) -> TuneConfig | str:
             return f"--text {args.text}: {e.strerror or e}"
     return TuneConfig(
         budget=budget,
-        model=args.model,
         text=text,
-        tokens=args.tokens,
-        holdout=args.holdout,
-        split=args.split,
-        trials=args.trials,
-        timeout=args.timeout,
-        seed=args.seed,
-        storage=args.storage,
-        study_name=args.study_name,
-        pareto=args.pareto,
-        allow_kv_inversion=args.allow_kv_inversion,
         sinks=sinks,
-        allow_fp16_layers=args.allow_fp16_layers,
-        context=args.context,
         per_layer=not args.no_per_layer,
-        max_protect=args.max_protect,
         group_sizes=groups,
-        prune_tokens=args.prune_tokens,
-        prune_slack=args.prune_slack,
-        sensitivity_tokens=args.sensitivity_tokens,
-        cache_dir=args.cache_dir,
-        confirm=args.confirm,
         compare=tuple(n.strip() for n in args.compare.split(",") if n.strip()),
         progress=not args.quiet,
-        device=args.device,
-        dtype=args.dtype,
-        feasibility=args.feasibility,
+        **{name: getattr(args, name) for name in _FLAGS_AS_GIVEN},
     )
 
 

@@ -1,34 +1,19 @@
 """A fake evaluator for the tuner's unit tests: same interface as ``kvarn.eval.harness.Evaluator``,
-a deterministic synthetic metric, no model. It tests the search machinery, not accuracy."""
+a deterministic synthetic metric (as an ``EvalResult``), no model. It tests the search machinery, not accuracy."""
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
+from kvarn.eval.harness import EvalResult
 from kvarn.schemes import Scheme
 
 NUM_LAYERS, HEAD_DIM = 30, 64
 # Layers 0, 1 and 29 are the sensitive ones; the rest vary a little.
 SENS = [0.012 + 0.004 * (i % 5) + (0.14 if i in (0, 1, 29) else 0.0) for i in range(NUM_LAYERS)]
-
-
-@dataclass
-class FakeResult:
-    scheme: str
-    bits_per_element: float
-    ppl: float
-    delta_ppl_pct: float
-    kl: float
-    top1_agreement: float
-    greedy_agreement_tokens: int | None
-    tokens: int
-    seconds: float
-    delta_ppl_pct_ci: list[float] | None = None
-    kl_ci: list[float] | None = None
 
 
 class FakeEvaluator:
@@ -56,7 +41,7 @@ class FakeEvaluator:
 
     def evaluate(
         self, scheme: str | Scheme, *, greedy: bool = True, max_tokens: int | None = None, progress: bool = True
-    ) -> FakeResult:
+    ) -> EvalResult:
         if self.interrupt_after is not None and len(self.calls) >= self.interrupt_after:
             raise KeyboardInterrupt
         s = Scheme.from_name(scheme) if isinstance(scheme, str) else scheme
@@ -69,7 +54,7 @@ class FakeEvaluator:
         n = self.tokens if max_tokens is None else min(max_tokens, self.tokens)
         delta = err * 1.15 * self.text_factor * (1.1 if max_tokens else 1.0)
         w = self.ci_halfwidth
-        return FakeResult(
+        return EvalResult(
             scheme=s.name,
             bits_per_element=s.bits_per_element(HEAD_DIM, NUM_LAYERS),
             ppl=20.0 * (1 + delta / 100),
