@@ -4,15 +4,4 @@ threads the small ops of the codec spend most of their time waiting for each oth
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-import torch
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.fixtures import _one_thread  # noqa: F401  (autouse)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,6 +12,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from kvarn.codec import dequantize_tiles, quantize_tiles
 from kvarn.hf import KVarNCache, KVarNLayer, TileCommitter
 from kvarn.schemes import Scheme, SchemeError, UnknownSchemeError
+
+from ._baselines import HalfGrid
 
 B, H, D = 2, 2, 64
 
@@ -161,23 +162,6 @@ def test_per_layer_overrides() -> None:
     assert cache.nbytes_breakdown()["quantized"] == B * H * (k4v2 + k4v4)
 
 
-@dataclass(frozen=True)
-class HalfGrid:
-    """A test baseline: rounds to a 0.5 grid; counts its calls in ``state``."""
-
-    name: str = "half_grid"
-    commit_tokens: int = 4
-    window: int = 8
-
-    def bits_per_element(self, head_dim: int) -> float:
-        return 5.0
-
-    def roundtrip(self, k: torch.Tensor, v: torch.Tensor, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        assert k.dtype == torch.float32 and k.shape[2] % self.commit_tokens == 0
-        state["calls"] = state.get("calls", 0) + 1
-        return torch.round(k * 2) / 2, torch.round(v * 2) / 2
-
-
 def test_baseline_commits_oldest_groups_outside_the_window() -> None:
     cache = KVarNCache(HalfGrid(), tiny_config())
     k, v = kv(31, seed=3)
@@ -218,14 +202,8 @@ def test_errors_name_the_problem() -> None:
     assert "fp16" in str(e.value) and "kvarn_k4v2_g128" in str(e.value)
     with pytest.raises(SchemeError, match="head_dim"):
         KVarNCache("kvarn_k4v2_g128", tiny_config(head_dim=32))
-    hybrid = SimpleNamespace(
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        hidden_size=128,
-        layer_types=["full_attention", "chunked_attention"],
-    )
+    hybrid = SimpleNamespace(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    hybrid.hidden_size, hybrid.layer_types = 128, ["full_attention", "chunked_attention"]
     with pytest.raises(ValueError, match="linear_attention, conv .*; this model also has chunked_attention"):
         KVarNCache("kvarn_k4v2_g128", hybrid)
     hybrid.layer_types = ["linear_attention", "conv"]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
@@ -21,6 +19,8 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from kvarn.codec import dequantize_tiles, quantize_tiles
 from kvarn.hf import KVarNCache, KVarNLayer, TileCommitter, cache_geometry
 from kvarn.schemes import Scheme
+
+from ._baselines import HalfGrid
 
 B, H = 1, 2
 SIZES = [5, 30, 1, 1, 70, 1, 40, 1]
@@ -121,23 +121,12 @@ def test_bits_formula_by_layer_type() -> None:
         g.bits_per_element(s, 0)
 
 
-@dataclass(frozen=True)
-class Windowed:
-    name: str = "windowed"
-    commit_tokens: int = 8
-    window: int = 40
-
-    def bits_per_element(self, head_dim: int) -> float:
-        return 4.0
-
-    def roundtrip(self, k: torch.Tensor, v: torch.Tensor, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        return k, v
-
-
 def test_errors_name_the_problem() -> None:
     with pytest.raises(ValueError, match="keeps its 40 newest tokens unquantized, not fewer than the window"):
-        KVarNCache(Windowed(), gemma(window=40), quantize_sliding=True)
-    KVarNCache(Windowed(), gemma(window=40))  # exact sliding layers: nothing to commit there
+        KVarNCache(HalfGrid(name="windowed", commit_tokens=8, window=40), gemma(window=40), quantize_sliding=True)
+    KVarNCache(
+        HalfGrid(name="windowed", commit_tokens=8, window=40), gemma(window=40)
+    )  # exact sliding layers: nothing to commit there
     with pytest.raises(ValueError, match="keeps no sink"):
         KVarNLayer(None, sink_tokens=4, sliding_window=8)
     base = dict(num_hidden_layers=2, num_attention_heads=2, head_dim=64, hidden_size=128)

