@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvarn.codec.params import load_positive
 from kvarn.codec.rotation import rotation_matrix
+
+if TYPE_CHECKING:
+    from kvarn.kernels.api import PagedContext
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -57,6 +61,20 @@ def check_rows(
     check_tensor(f"{name}_lens", lens, (bsz,), (torch.int32,), device)
     if slot is not None:
         check_tensor(f"{name}_slot", slot, (bsz,), slot_dtypes, device)
+
+
+def check_sink_given(ctx: PagedContext) -> bool:
+    """Check that ``ctx`` passes the sink its scheme keeps (``sink_k``, ``sink_v`` and ``sink_lens``
+    together, ``sink_slot`` only with them); returns whether a sink is given."""
+    scheme, sink_k = ctx.scheme, ctx.sink_k
+    if sink_k is None and scheme.sink_len:
+        kept = "a sink tile" if scheme.sink_tile else f"its first {scheme.sink_tokens} tokens exactly"
+        raise KernelArgumentError(f"scheme {scheme.name} keeps {kept}: pass sink_k, sink_v and sink_lens")
+    if (sink_k is None) != (ctx.sink_v is None) or (sink_k is None) != (ctx.sink_lens is None):
+        raise KernelArgumentError("sink_k, sink_v and sink_lens go together")
+    if ctx.sink_slot is not None and sink_k is None:
+        raise KernelArgumentError("sink_slot without sink_k, sink_v and sink_lens")
+    return sink_k is not None
 
 
 @functools.lru_cache(maxsize=64)

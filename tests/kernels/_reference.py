@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from kvarn.codec import dequantize_tiles, quantize_tiles
+from kvarn.kernels import KernelArgumentError, PagedContext
 from kvarn.schemes import Scheme
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -44,6 +47,19 @@ class PagedBatch:
     sink_lens: torch.Tensor | None
     context_k: list[torch.Tensor]  # per sequence [Hkv, L, D] float32: what attention must see
     context_v: list[torch.Tensor]
+
+    def context(self, scheme: Scheme, pools: Pools | None = None) -> PagedContext:
+        """The kernels' argument: tails and sinks per sequence, or read from ``pools`` by slot."""
+        if pools is None:
+            return PagedContext(
+                self.cache, self.block_table, self.num_tiles, self.tail_k, self.tail_v, self.tail_lens, scheme,
+                sink_k=self.sink_k, sink_v=self.sink_v, sink_lens=self.sink_lens,
+            )  # fmt: skip
+        return PagedContext(
+            self.cache, self.block_table, self.num_tiles, pools.tail_k, pools.tail_v, self.tail_lens, scheme,
+            tail_slot=pools.tail_slot, sink_k=pools.sink_k, sink_v=pools.sink_v, sink_lens=self.sink_lens,
+            sink_slot=pools.sink_slot,
+        )  # fmt: skip
 
 
 def paged_batch(scheme: Scheme, lens: list[int], hkv: int, d: int, seed: int = 0, spare_blocks: int = 3) -> PagedBatch:
@@ -129,6 +145,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: 
     return torch.einsum("hls,hsd->lhd", torch.softmax(s, dim=-1), v.cpu())
 
 
+def causal_reference(
+    pb: PagedBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor
+) -> torch.Tensor:
+    """Float64 causal attention of new tokens ``q``/``k``/``v`` (packed at ``cu``) after each
+    sequence's cached context: ``[N, Hq, D]``."""
+    refs = []
+    for b in range(cu.shape[0] - 1):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        ctx_k = torch.cat([pb.context_k[b], k[rows].transpose(0, 1)], dim=1)
+        ctx_v = torch.cat([pb.context_v[b], v[rows].transpose(0, 1)], dim=1)
+        refs.append(attention(q[rows], ctx_k, ctx_v, causal_offset=pb.context_k[b].shape[1]))
+    return torch.cat(refs)
+
+
+def decode_reference(pb: PagedBatch, q: torch.Tensor) -> torch.Tensor:
+    """Float64 attention of one query token per sequence ``[B, Hq, D]`` over its context."""
+    return torch.cat([attention(q[b : b + 1], pb.context_k[b], pb.context_v[b]) for b in range(q.shape[0])])
+
+
 def named(name: str, sink_tokens: int = 0) -> Scheme:
     """``name`` with an explicit ``sink_tokens`` (built-in presets may default to exact first tokens).
 
@@ -185,3 +220,18 @@ def with_tails(pb: PagedBatch, tails: list[int]) -> PagedBatch:
              enumerate(zip(pb.context_v, old, tails, strict=True))]  # fmt: skip
     tail_lens = torch.tensor(tails, dtype=torch.int32, device=pb.tail_lens.device)
     return dataclasses.replace(pb, tail_lens=tail_lens, context_k=ctx_k, context_v=ctx_v)
+
+
+def assert_store_refusals(
+    store_tiles: Callable[..., None], k: torch.Tensor, cache: torch.Tensor, ids: torch.Tensor, scheme: Scheme
+) -> None:
+    """The refusals every backend's ``store_tiles`` shares: a cache of the wrong record size, a
+    scheme with per-layer overrides, and (``check_finite``) a NaN; ``k`` ``[N, H, T, D]`` valid."""
+    with pytest.raises(KernelArgumentError, match="cache must have shape"):
+        store_tiles(k, k, cache[:, :, :-1], ids, scheme)
+    with pytest.raises(KernelArgumentError, match="per-layer overrides"):
+        store_tiles(k, k, cache, ids, Scheme.from_name("kvarn_k4v2_g32_L0fp16"))
+    bad = k.clone()
+    bad[0, 0, 3, 5] = float("nan")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        store_tiles(bad, k, cache, ids, scheme, check_finite=True)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from kvarn.codec import dequantize_tiles
-from kvarn.kernels import KernelArgumentError, PagedContext
+from kvarn.kernels import KernelArgumentError
 from kvarn.kernels.triton import KernelConfig, prefill_attention
 from kvarn.schemes import Scheme
 
-from ._reference import DEVICE, PagedBatch, attention, named, paged_batch, sqnr_db
+from ._reference import DEVICE, PagedBatch, attention, causal_reference, named, paged_batch, sqnr_db
 
 MIN_SQNR_DB = 40.0
 SMALL = KernelConfig(num_warps=4, num_stages=1, block_m=64, block_n=32)  # few interpreter programs
@@ -33,25 +33,7 @@ def _new_tokens(lens: list[int], hkv: int, group: int, d: int) -> tuple[torch.Te
 def _run(
     scheme: Scheme, pb: PagedBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor
 ) -> torch.Tensor:
-    return prefill_attention(
-        q.to(DEVICE),
-        k.to(DEVICE),
-        v.to(DEVICE),
-        cu.to(DEVICE),
-        PagedContext(
-            pb.cache,
-            pb.block_table,
-            pb.num_tiles,
-            pb.tail_k,
-            pb.tail_v,
-            pb.tail_lens,
-            scheme,
-            sink_k=pb.sink_k,
-            sink_v=pb.sink_v,
-            sink_lens=pb.sink_lens,
-        ),
-        config=SMALL,
-    )
+    return prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cu.to(DEVICE), pb.context(scheme), config=SMALL)
 
 
 @pytest.mark.parametrize(
@@ -74,14 +56,9 @@ def test_prefill_matches_causal_reference(
     q, k, v = _new_tokens(new, hkv, group, d)
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
     out = _run(scheme, pb, q, k, v, cu)
-    refs = []
-    for b in range(len(new)):
-        rows = slice(int(cu[b]), int(cu[b + 1]))
-        ctx_k = torch.cat([pb.context_k[b], k[rows].transpose(0, 1)], dim=1)
-        ctx_v = torch.cat([pb.context_v[b], v[rows].transpose(0, 1)], dim=1)
-        refs.append(attention(q[rows], ctx_k, ctx_v, causal_offset=cached[b]))
+    assert [c.shape[1] for c in pb.context_k] == cached  # the reference's causal offsets
     assert out.shape == q.shape
-    assert sqnr_db(torch.cat(refs), out.cpu()) >= MIN_SQNR_DB
+    assert sqnr_db(causal_reference(pb, q, k, v, cu), out.cpu()) >= MIN_SQNR_DB
 
 
 def test_prefill_sink_tokens_differ_from_reading_tile_0_quantized_and_clamp_sink_lens() -> None:
@@ -120,7 +97,7 @@ def test_prefill_is_causal() -> None:
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(12, 2 if i == 0 else 1, 64, generator=g).to(DEVICE) for i in range(3))
     cu = torch.tensor([0, 12], dtype=torch.int32, device=DEVICE)
-    ctx = PagedContext(pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, scheme)
+    ctx = pb.context(scheme)
     a = prefill_attention(q, k, v, cu, ctx, config=SMALL)
     k2, v2 = k.clone(), v.clone()
     k2[-1] += 5

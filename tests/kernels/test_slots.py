@@ -15,51 +15,24 @@ from kvarn.kernels import KernelArgumentError, PagedContext
 from kvarn.kernels.triton import decode_attention, prefill_attention
 from kvarn.schemes import Scheme
 
-from ._reference import DEVICE, PagedBatch, Pools, attention, named, paged_batch, sqnr_db, to_pools, with_tails
+from ._reference import (
+    DEVICE,
+    PagedBatch,
+    Pools,
+    causal_reference,
+    decode_reference,
+    named,
+    paged_batch,
+    sqnr_db,
+    to_pools,
+    with_tails,
+)
 
 MIN_SQNR_DB = 40.0
 
 
 def _decode(s: Scheme, pb: PagedBatch, q: torch.Tensor, pools: Pools | None, splits: int = 1) -> torch.Tensor:
-    if pools is None:
-        return decode_attention(
-            q,
-            PagedContext(
-                pb.cache,
-                pb.block_table,
-                pb.num_tiles,
-                pb.tail_k,
-                pb.tail_v,
-                pb.tail_lens,
-                s,
-                sink_k=pb.sink_k,
-                sink_v=pb.sink_v,
-                sink_lens=pb.sink_lens,
-            ),
-            num_splits=splits,
-        )
-    return decode_attention(
-        q,
-        PagedContext(
-            pb.cache,
-            pb.block_table,
-            pb.num_tiles,
-            pools.tail_k,
-            pools.tail_v,
-            pb.tail_lens,
-            s,
-            tail_slot=pools.tail_slot,
-            sink_k=pools.sink_k,
-            sink_v=pools.sink_v,
-            sink_lens=pb.sink_lens,
-            sink_slot=pools.sink_slot,
-        ),
-        num_splits=splits,
-    )
-
-
-def _decode_ref(pb: PagedBatch, q: torch.Tensor) -> torch.Tensor:
-    return torch.cat([attention(q[b : b + 1], pb.context_k[b], pb.context_v[b]) for b in range(q.shape[0])])
+    return decode_attention(q, pb.context(s, pools), num_splits=splits)
 
 
 @pytest.mark.parametrize(
@@ -72,10 +45,10 @@ def test_decode_reads_pools_by_permuted_slot(name: str, splits: int) -> None:
     pools = to_pools(pb, s, spare=3)
     assert pools.tail_slot.tolist()[1] == 0  # an empty tail reads slot 0, another sequence's
     out = _decode(s, pb, q, pools, splits)
-    assert sqnr_db(_decode_ref(pb, q), out.cpu()) >= MIN_SQNR_DB
+    assert sqnr_db(decode_reference(pb, q), out.cpu()) >= MIN_SQNR_DB
     assert torch.equal(out, _decode(s, pb, q, None, splits))
     pools.tail_slot = pools.tail_slot.roll(1)  # the check can fail: other sequences' tails (measured 25 dB)
-    assert sqnr_db(_decode_ref(pb, q), _decode(s, pb, q, pools, splits).cpu()) < MIN_SQNR_DB - 10
+    assert sqnr_db(decode_reference(pb, q), _decode(s, pb, q, pools, splits).cpu()) < MIN_SQNR_DB - 10
 
 
 def test_decode_tail_lengths_one_to_group_size() -> None:
@@ -86,7 +59,7 @@ def test_decode_tail_lengths_one_to_group_size() -> None:
     pb = with_tails(paged_batch(s, lens, hkv=1, d=64, seed=5), list(range(1, t + 1)))
     q = torch.randn(t, 2, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     out = _decode(s, pb, q, to_pools(pb, s, spare=1))
-    assert sqnr_db(_decode_ref(pb, q), out.cpu()) >= MIN_SQNR_DB
+    assert sqnr_db(decode_reference(pb, q), out.cpu()) >= MIN_SQNR_DB
 
 
 @pytest.mark.parametrize(
@@ -102,7 +75,7 @@ def test_decode_groups_1_7_and_head_dim_256(name: str, d: int, group: int) -> No
     pb = paged_batch(s, [32 + 7, 4], hkv=1, d=d, seed=6)
     q = torch.randn(2, group, d, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     out = _decode(s, pb, q, to_pools(pb, s, spare=2), splits=2)
-    assert sqnr_db(_decode_ref(pb, q), out.cpu()) >= MIN_SQNR_DB
+    assert sqnr_db(decode_reference(pb, q), out.cpu()) >= MIN_SQNR_DB
 
 
 def _prefill(s: Scheme, pb: PagedBatch, new: list[int], group: int, pools: Pools) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,33 +86,9 @@ def _prefill(s: Scheme, pb: PagedBatch, new: list[int], group: int, pools: Pools
     q, k, v = (torch.randn(total, h, d, generator=g) for h in (hkv * group, hkv, hkv))
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
     out = prefill_attention(
-        q.to(DEVICE),
-        k.to(DEVICE),
-        v.to(DEVICE),
-        cu.to(DEVICE),
-        PagedContext(
-            pb.cache,
-            pb.block_table,
-            pb.num_tiles,
-            pools.tail_k,
-            pools.tail_v,
-            pb.tail_lens,
-            s,
-            tail_slot=pools.tail_slot,
-            sink_k=pools.sink_k,
-            sink_v=pools.sink_v,
-            sink_lens=pb.sink_lens,
-            sink_slot=pools.sink_slot,
-        ),
-        max_query_len=max(new),
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cu.to(DEVICE), pb.context(s, pools), max_query_len=max(new)
     )
-    refs = []
-    for b in range(len(new)):
-        rows = slice(int(cu[b]), int(cu[b + 1]))
-        ctx_k = torch.cat([pb.context_k[b], k[rows].transpose(0, 1)], dim=1)
-        ctx_v = torch.cat([pb.context_v[b], v[rows].transpose(0, 1)], dim=1)
-        refs.append(attention(q[rows], ctx_k, ctx_v, causal_offset=pb.context_k[b].shape[1]))
-    return out, torch.cat(refs)
+    return out, causal_reference(pb, q, k, v, cu)
 
 
 @pytest.mark.parametrize(
@@ -209,27 +158,7 @@ def test_decode_and_prefill_do_not_synchronise_with_the_host(monkeypatch: pytest
     g = torch.Generator().manual_seed(8)
     nq, nk, nv = (torch.randn(sum(new), h, 64, generator=g).to(DEVICE) for h in (group, 1, 1))
     cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=DEVICE)
-    prefill_attention(
-        nq,
-        nk,
-        nv,
-        cu,
-        PagedContext(
-            pb.cache,
-            pb.block_table,
-            pb.num_tiles,
-            pools.tail_k,
-            pools.tail_v,
-            pb.tail_lens,
-            s,
-            tail_slot=pools.tail_slot,
-            sink_k=pools.sink_k,
-            sink_v=pools.sink_v,
-            sink_lens=pb.sink_lens,
-            sink_slot=pools.sink_slot,
-        ),
-        max_query_len=max(new),
-    )
+    prefill_attention(nq, nk, nv, cu, pb.context(s, pools), max_query_len=max(new))
     monkeypatch.undo()
     assert torch.equal(out, expected)
 
@@ -241,19 +170,7 @@ def test_sink_arguments_for_a_scheme_without_sink_are_refused() -> None:
     q = torch.randn(1, 2, 64, device=DEVICE)
     with pytest.raises(KernelArgumentError, match="keeps no sink"):
         decode_attention(
-            q,
-            PagedContext(
-                pb.cache,
-                pb.block_table,
-                pb.num_tiles,
-                pb.tail_k,
-                pb.tail_v,
-                pb.tail_lens,
-                s,
-                sink_k=pb.tail_k,
-                sink_v=pb.tail_v,
-                sink_lens=pb.tail_lens,
-            ),
+            q, dataclasses.replace(pb.context(s), sink_k=pb.tail_k, sink_v=pb.tail_v, sink_lens=pb.tail_lens)
         )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvarn.kernels._checks import INDEX_DTYPES, KernelArgumentError, check_rows, check_tensor
+from kvarn.kernels._checks import INDEX_DTYPES, KernelArgumentError, check_rows, check_sink_given, check_tensor
 from kvarn.kernels.api import PagedContext
 
 CPU = torch.device("cpu")
@@ -81,13 +81,7 @@ def _check_layout(ctx: PagedContext, bsz: int, hq: int, d: int) -> None:
     if tail_k.shape[2] != scheme.group_size:
         raise KernelArgumentError(f"tail_k must hold group_size={scheme.group_size} rows, got {tail_k.shape[2]}")
     sink_k, sink_v, sink_lens, sink_slot = ctx.sink_k, ctx.sink_v, ctx.sink_lens, ctx.sink_slot
-    if sink_k is None and scheme.sink_len:
-        kept = "a sink tile" if scheme.sink_tile else f"its first {scheme.sink_tokens} tokens exactly"
-        raise KernelArgumentError(f"scheme {scheme.name} keeps {kept}: pass sink_k, sink_v and sink_lens")
-    if (sink_k is None) != (sink_v is None) or (sink_k is None) != (sink_lens is None):
-        raise KernelArgumentError("sink_k, sink_v and sink_lens go together")
-    if sink_k is None and sink_slot is not None:
-        raise KernelArgumentError("sink_slot given without sink_k, sink_v and sink_lens")
+    check_sink_given(ctx)
     if sink_k is not None and sink_v is not None and sink_lens is not None:
         check_rows("sink", sink_k, sink_v, sink_lens, sink_slot, (bsz, hkv, d), CPU, INDEX_DTYPES)
         if sink_k.shape[2] < scheme.sink_len:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvarn.codec.tiles import layout
-from kvarn.kernels._checks import KernelArgumentError, check_rows, log8_table, rotation
+from kvarn.kernels._checks import KernelArgumentError, check_rows, check_sink_given, log8_table, rotation
 from kvarn.kernels.api import PagedContext
 
 
@@ -53,15 +53,9 @@ def context_args(ctx: PagedContext, bsz: int, d: int, block_t: int) -> tuple[lis
     tail_k, tail_v, tail_lens, tail_slot = ctx.tail_k, ctx.tail_v, ctx.tail_lens, ctx.tail_slot
     sink_k, sink_v, sink_lens, sink_slot = ctx.sink_k, ctx.sink_v, ctx.sink_lens, ctx.sink_slot
     check_staging("tail", tail_k, tail_v, tail_lens, tail_slot, bsz, hkv, d, dev, (t, t))
-    if sink_k is None and scheme.sink_len:
-        kept = "a sink tile" if scheme.sink_tile else f"its first {scheme.sink_tokens} tokens exactly"
-        raise KernelArgumentError(f"scheme {scheme.name} keeps {kept}: pass sink_k, sink_v and sink_lens")
     if sink_k is not None and not scheme.sink_len:
         raise KernelArgumentError(f"scheme {scheme.name} keeps no sink: pass no sink_k, sink_v, sink_lens")
-    if (sink_k is None) != (sink_v is None) or (sink_k is None) != (sink_lens is None):
-        raise KernelArgumentError("sink_k, sink_v and sink_lens go together")
-    if sink_slot is not None and sink_k is None:
-        raise KernelArgumentError("sink_slot without sink_k, sink_v and sink_lens")
+    check_sink_given(ctx)
     if sink_k is not None and sink_v is not None and sink_lens is not None:
         rows = (t, t) if scheme.sink_tile else (max(scheme.sink_tokens, 1), t)
         check_staging("sink", sink_k, sink_v, sink_lens, sink_slot, bsz, hkv, d, dev, rows)
