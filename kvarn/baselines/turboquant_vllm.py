@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +41,12 @@ def tq_centroids(d: int, bits: int) -> tuple[float, ...]:
     def pdf(x: float) -> float:
         return math.exp(-x * x / (2 * var)) / math.sqrt(2 * math.pi * var)
 
-    def trapz(f: Any, a: float, b: float, steps: int = 200) -> float:
+    def trapz(f: Callable[[float], float], a: float, b: float, steps: int = 200) -> float:
         h = (b - a) / steps
-        return (0.5 * (f(a) + f(b)) + sum(f(a + i * h) for i in range(1, steps))) * h
+        total = 0.5 * (f(a) + f(b))
+        for i in range(1, steps):  # summed in vLLM's order
+            total += f(a + i * h)
+        return total * h
 
     lo, hi = -3.5 * sigma, 3.5 * sigma
     c = [lo + (hi - lo) * (i + 0.5) / n for i in range(n)]
