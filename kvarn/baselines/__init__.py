@@ -1,6 +1,7 @@
 """Baselines: published KV-cache quantization methods, fake-quantized, measured in the same harness.
 
-``fp8``, ``int8``, ``kivi2``, ``kivi4``, ``turboquant3``, ``turboquant4`` and ``rtn_k{K}v{V}``; each
+``fp8``, ``int8``, ``kivi2``, ``kivi4``, ``turboquant3``, ``turboquant4``, ``rtn_k{K}v{V}`` and
+vLLM 0.33's KV dtypes under their vLLM names (:data:`VLLM033`); each
 implements :class:`Baseline` (``commit_tokens``, ``window``, ``bits_per_element``, ``roundtrip``).
 
 Example:
@@ -14,9 +15,11 @@ from kvarn.baselines.fp8 import FP8Baseline
 from kvarn.baselines.intquant import Int8Baseline
 from kvarn.baselines.kivi import KIVIBaseline
 from kvarn.baselines.lloydmax import lloyd_max_centroids, lloyd_max_mse
-from kvarn.baselines.registry import BASELINES, UnknownBaselineError, get_baseline
+from kvarn.baselines.registry import BASELINES, VLLM033, UnknownBaselineError, get_baseline
 from kvarn.baselines.rtn import RTNBaseline
 from kvarn.baselines.turboquant import TurboQuantBaseline
+from kvarn.baselines.turboquant_vllm import VllmTurboQuantBaseline
+from kvarn.baselines.vllm_dtypes import VllmDtypeBaseline
 
 __all__ = [
     "BASELINES",
@@ -26,7 +29,10 @@ __all__ = [
     "KIVIBaseline",
     "RTNBaseline",
     "TurboQuantBaseline",
+    "VLLM033",
     "UnknownBaselineError",
+    "VllmDtypeBaseline",
+    "VllmTurboQuantBaseline",
     "get_baseline",
     "lloyd_max_centroids",
     "lloyd_max_mse",

@@ -27,11 +27,20 @@ class Baseline:
             KIVI: 32, one group; ``rtn_kXvY``: 128, one tile). ``roundtrip`` accepts any multiple.
         window: most recent tokens kept unquantized (KIVI: 128, others 0). Not counted in
             :meth:`bits_per_element`: a fixed ``window * 2 * head_dim * 16`` bits per layer and head.
+        boundary_layers: the first and last this many attention layers stay 16-bit, as vLLM
+            deploys TurboQuant (0: every layer quantized); see :meth:`quantizes_layer`.
     """
 
     name: str
     commit_tokens: int
     window: int
+    boundary_layers: int = 0
+
+    def quantizes_layer(self, layer: int, num_layers: int, hybrid: bool = False) -> bool:
+        """Whether attention layer ``layer`` of ``num_layers`` is quantized (vLLM's boundary rule:
+        ``n = min(boundary_layers, num_layers // 2)`` layers at each end; none on hybrid models)."""
+        n = 0 if hybrid else min(self.boundary_layers, num_layers // 2)
+        return n <= layer < num_layers - n
 
     def bits_per_element(self, head_dim: int) -> float:
         """Stored bits per cached number (keys and values), scales and zero points included."""

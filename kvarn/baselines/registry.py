@@ -10,8 +10,17 @@ from kvarn.baselines.intquant import Int8Baseline
 from kvarn.baselines.kivi import KIVI_GROUP, KIVI_WINDOW, KIVIBaseline
 from kvarn.baselines.rtn import RTN_TILE, RTNBaseline
 from kvarn.baselines.turboquant import TurboQuantBaseline
+from kvarn.baselines.turboquant_vllm import TQ_BOUNDARY, TQ_PRESETS, VllmTurboQuantBaseline
+from kvarn.baselines.vllm_dtypes import FORMATS, VllmDtypeBaseline
 
 _RTN_BITS = ((4, 2), (4, 4), (2, 2), (3, 2), (4, 3))
+
+# vLLM 0.33's KV dtypes under vLLM's names; TurboQuant as deployed, and with every layer quantized
+VLLM033: tuple[Baseline, ...] = (
+    *(VllmDtypeBaseline(f, commit_tokens=1, window=0, dtype=f) for f in FORMATS),
+    *(VllmTurboQuantBaseline(p, commit_tokens=1, window=0, boundary_layers=TQ_BOUNDARY, preset=p) for p in TQ_PRESETS),
+    *(VllmTurboQuantBaseline(f"{p}_all_layers", commit_tokens=1, window=0, preset=p) for p in TQ_PRESETS),
+)
 
 BASELINES: dict[str, Baseline] = {
     b.name: b
@@ -26,6 +35,7 @@ BASELINES: dict[str, Baseline] = {
             RTNBaseline(f"rtn_k{kb}v{vb}", commit_tokens=RTN_TILE, window=0, key_bits=kb, value_bits=vb)
             for kb, vb in _RTN_BITS
         ),
+        *VLLM033,
     )
 }
 

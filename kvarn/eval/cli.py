@@ -12,24 +12,27 @@ from typing import Any
 
 import torch
 
-from kvarn.eval.harness import EvalResult, Evaluator
+from kvarn.baselines import VLLM033
+from kvarn.eval.harness import BOS_CHOICES, EvalResult, Evaluator
 from kvarn.eval.report import format_table, plot_pareto, write_json
 from kvarn.hf import FP16, baselines, resolve_spec
 from kvarn.models import DEVICES, DTYPES, parse_device
 from kvarn.schemes import BUILTINS
 
-GROUPS = ("all", "kvarn", "baselines")
+GROUPS = ("all", "kvarn", "baselines", "vllm")
 
 
 def expand_schemes(spec: str) -> list[str]:
     """Split a comma-separated list; ``kvarn`` = the built-in presets, ``baselines`` = every
-    baseline, ``all`` = fp16, then both. Duplicates are dropped, order kept."""
+    baseline, ``vllm`` = vLLM 0.33's KV dtypes, ``all`` = fp16, then both. Duplicates are dropped, order kept."""
     out: list[str] = []
     for item in (s.strip() for s in spec.split(",")):
         if item == "all":
             names = [FP16, *BUILTINS, *baselines()]
         elif item == "kvarn":
             names = list(BUILTINS)
+        elif item == "vllm":
+            names = [b.name for b in VLLM033]
         elif item == "baselines":
             names = list(baselines())
         elif item:
@@ -67,7 +70,7 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--schemes",
         default="all",
-        help="comma-separated: fp16, kvarn presets/canonical names, baselines; groups: all (default), kvarn, baselines",
+        help="comma-separated: fp16, kvarn presets/canonical names, baselines; groups: all (default), kvarn, baselines, vllm (vLLM 0.33's KV dtypes)",
     )
     p.add_argument(
         "--text", type=Path, help="UTF-8 text file (default: the bundled GPL-3, then Apache-2.0; 9,881 SmolLM2 tokens)"
@@ -90,6 +93,12 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="model weights and activations (default float32); the fp16 reference runs in the same dtype",
     )
     p.add_argument("--threads", type=_positive("--threads", 0), default=0, help="torch CPU threads (0: default)")
+    p.add_argument(
+        "--bos",
+        default="auto",
+        choices=BOS_CHOICES,
+        help="prepend the beginning-of-sequence token: auto (the tokenizer's config, default), yes, no",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run_eval)
     return p
@@ -116,6 +125,7 @@ def run_eval(args: argparse.Namespace) -> int:
         greedy_tokens=args.greedy_tokens,
         device=args.device,
         dtype=args.dtype,
+        bos=args.bos,
     )
     if ev.tokens < args.tokens:
         print(f"kvarn eval: note: the text has only {ev.tokens} tokens; evaluating all of them", file=sys.stderr)
@@ -127,6 +137,8 @@ def run_eval(args: argparse.Namespace) -> int:
         "greedy_tokens": args.greedy_tokens,
         "device": args.device,
         "dtype": args.dtype,
+        "bos": args.bos,
+        "bos_prepended": ev.bos,
     }
     done: list[EvalResult] = []
 
@@ -138,7 +150,7 @@ def run_eval(args: argparse.Namespace) -> int:
     results = ev.evaluate_all(names, progress=not args.no_progress, on_result=save)
     print(
         f"{args.model}, {ev.tokens} tokens, chunk {args.chunk}, greedy {args.greedy_tokens} (decode mode; "
-        f"{args.dtype} on {args.device})"
+        f"{args.dtype} on {args.device}; BOS {'prepended' if ev.bos else 'not prepended'}, --bos {args.bos})"
     )
     print(format_table(results, markdown=args.markdown))
     if args.plot:

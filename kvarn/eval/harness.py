@@ -27,8 +27,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from kvarn.baselines import Baseline
 from kvarn.eval.metrics import MetricSums, leading_matches, nll
 from kvarn.hf import FP16, KVarNCache, model_geometry, resolve_spec
+from kvarn.hf.layers import KVarNLayer
 from kvarn.hf.spec import BaselineLike, Spec
 from kvarn.models import load_model, parse_device, parse_dtype
 from kvarn.schemes import Scheme
@@ -102,6 +104,8 @@ class Evaluator:
             The reference is the same model in the same dtype with an unquantized cache.
         quantize_sliding: quantize sliding-window layers too (default: they stay exact, as in
             KVarN; see :class:`kvarn.hf.KVarNCache`).
+        bos: ``auto`` (the tokenizer's own setting), ``yes`` (the text starts with the BOS token,
+            prepended if the tokenizer did not), ``no`` (never). :attr:`bos` says whether it did.
 
     Raises:
         ValueError: a non-positive ``chunk`` or ``tokens``, a negative ``greedy_tokens``, a text
@@ -121,6 +125,7 @@ class Evaluator:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
         quantize_sliding: bool = False,
+        bos: str = "auto",
     ) -> None:
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk={chunk!r}: the chunk size must be a positive number of tokens (e.g. 128)")
@@ -137,7 +142,8 @@ class Evaluator:
         self.model, self.tokenizer = _loaded(model, self.device, self.dtype)
         text = default_text() if text is None else text
         self.text_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
-        self.ids: torch.Tensor = self.tokenizer(text, return_tensors="pt").input_ids[:, :tokens]  # [1, n] int64, CPU
+        self.ids, self.bos = _tokenize(self.tokenizer, text, bos)
+        self.ids = self.ids[:, :tokens]  # [1, n] int64, CPU
         self.tokens = int(self.ids.shape[1])
         if self.tokens < 2:
             raise ValueError(f"the text has {self.tokens} token(s); at least 2 are needed to score anything")
@@ -272,7 +278,7 @@ class Evaluator:
                 _name(scheme), 16.0, ref_ppl, 0.0, 0.0, 1.0, agree, n, ref.seconds, [0.0, 0.0], [0.0, 0.0]
             )
         t0 = time.perf_counter()
-        cache = KVarNCache(
+        cache = make_cache(
             spec,
             self.model.config,
             quantize_before_read=self.quantize_before_read,
@@ -322,6 +328,39 @@ class Evaluator:
             if on_result is not None:
                 on_result(results[-1])
         return results
+
+
+BOS_CHOICES = ("auto", "yes", "no")
+
+
+def _tokenize(tokenizer: Any, text: str, bos: str) -> tuple[torch.Tensor, bool]:
+    """``([1, n] int64 ids, whether they start with a BOS token)`` under the ``bos`` policy."""
+    if bos not in BOS_CHOICES:
+        raise ValueError(f"bos={bos!r} is not one of: {', '.join(BOS_CHOICES)}")
+    ids: torch.Tensor = tokenizer(text, return_tensors="pt").input_ids
+    bos_id = tokenizer.bos_token_id
+    has = bos_id is not None and ids.shape[1] > 0 and int(ids[0, 0]) == bos_id
+    if bos == "yes" and not has:
+        if bos_id is None:
+            raise ValueError("bos='yes': the tokenizer defines no BOS token")
+        ids, has = torch.cat([torch.tensor([[bos_id]]), ids], dim=1), True
+    elif bos == "no" and has:
+        ids, has = ids[:, 1:], False
+    return ids, has
+
+
+def make_cache(spec: str | Scheme | BaselineLike | None, config: Any, **kwargs: Any) -> KVarNCache:
+    """A :class:`KVarNCache` for ``spec`` whose baseline boundary layers (``boundary_layers``, as
+    vLLM deploys TurboQuant) stay unquantized; ``kwargs`` go to :class:`KVarNCache`."""
+    spec = None if spec is None else resolve_spec(spec)
+    cache = KVarNCache(FP16 if spec is None else spec, config, **kwargs)
+    if isinstance(spec, Baseline) and spec.boundary_layers:
+        attention = cache.geometry.attention_layers
+        hybrid = len(attention) < cache.geometry.num_layers
+        for j, i in enumerate(attention):
+            if not spec.quantizes_layer(j, len(attention), hybrid) and cache.geometry.windows[i] is None:
+                cache.layers[i] = KVarNLayer(None)
+    return cache
 
 
 def _name(scheme: str | Scheme | BaselineLike) -> str:

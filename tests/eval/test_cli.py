@@ -98,3 +98,15 @@ def test_bfloat16_on_cpu_measures_against_a_bfloat16_reference(tmp_path: Path) -
     # the reference runs in bfloat16 too: its own KL is exactly 0, a quantized cache's is small but not 0
     assert fp16["kl"] == 0.0 and 0.0 < k4v4["kl"] < 0.2
     assert 5.0 < fp16["ppl"] < 200.0
+
+
+def test_eval_states_the_bos_token(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    args = ["eval", "--schemes", "fp16,turboquant_k8v4", "--tokens", "192", "--chunk", "64", "--greedy-tokens", "0"]
+    assert main([*args, "--bos", "yes", "--json", str(out), "--no-progress"]) == 0
+    assert "BOS prepended, --bos yes" in capsys.readouterr().out
+    fp16, tq = json.loads(out.read_text())
+    assert fp16["bos"] == "yes" and fp16["bos_prepended"] is True
+    # as deployed: 4 of SmolLM2's 30 layers at 16 bits, the rest at vLLM's 100 bytes per token and head
+    assert tq["bits_per_element"] == pytest.approx((26 * 6.25 + 4 * 16) / 30)
+    assert 0.0 < tq["kl"] < 0.05
