@@ -107,8 +107,11 @@ def test_every_layer_reads_what_the_reference_codec_stores(case: Case, request: 
         past = 0
         for new_k, _, k, v, offset in log:
             new = new_k.shape[-2]
-            assert torch.equal(k, expected(raw_k, stored_k, past, new, window, quantized)), (layer, past)
-            assert torch.equal(v, expected(raw_v, stored_v, past, new, window, quantized)), (layer, past)
+            # the same records dequantized in batches of other shapes may differ in float32's last bits
+            # on some CPUs (measured 1.4e-5 on an AVX-512/AMX Xeon); a wrong tile or row is off by ~0.1
+            close = {"rtol": 0.0, "atol": 1e-4, "msg": f"layer {layer}, past {past}"}
+            torch.testing.assert_close(k, expected(raw_k, stored_k, past, new, window, quantized), **close)
+            torch.testing.assert_close(v, expected(raw_v, stored_v, past, new, window, quantized), **close)
             keep_from = 0 if window is None else max(0, past - window + 1)
             assert int(offset) == ((keep_from // G) * G if quantized else keep_from)
             past += new
