@@ -44,6 +44,7 @@ from kvarn.vllm.registry import DTYPES, is_kvarn_dtype, scheme_of
 from kvarn.vllm.sinks import SinkPool
 from kvarn.vllm.staging import StagingPool
 from kvarn.vllm.step import StepTensors
+from kvarn.vllm.tail import layout_for
 
 logger = logging.getLogger("kvarn.vllm")
 
@@ -184,19 +185,26 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.layer_scheme: Scheme | None = None
-        # the pools, allocated now: before vLLM measures memory for the KV cache
+        # the pools, allocated now: before vLLM measures memory for the KV cache. Partial tiles wait in
+        # the requests' own tail blocks (kvarn.vllm.tail) except where that layout does not apply.
         slots = DTYPES.staging_slots(config.scheduler_config.max_num_seqs)
         dtype = model.dtype
         assert isinstance(dtype, torch.dtype)  # resolved from "auto" etc. when the config was built
         device = torch.device(str(config.device_config.device))
-        shape = (slots, num_kv_heads, self.scheme.group_size, head_size)
-        self.stage = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        staging = layout_for(config) is None
+        self.stage: tuple[torch.Tensor, torch.Tensor] | None = None
+        if staging:
+            shape = (slots, num_kv_heads, self.scheme.group_size, head_size)
+            self.stage = (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
         self.sink: tuple[torch.Tensor, torch.Tensor] | None = None
         cap = sink_capacity(self.scheme)
         if cap:
             shape = (slots, num_kv_heads, cap, head_size)
             self.sink = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        reserve(config, pool_bytes(self.scheme, num_kv_heads, head_size, dtype, slots))
+        reserve(config, pool_bytes(self.scheme, num_kv_heads, head_size, dtype, slots, staging=staging))
 
     def layer_spec(self, spec: AttentionSpec, layer_name: str) -> AttentionSpec:
         """Layer ``layer_name``'s packed spec: a page of its own scheme's tile record per KV head."""

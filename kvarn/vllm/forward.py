@@ -1,8 +1,9 @@
 """A layer's forward: only op launches over the step's tensors (:mod:`kvarn.vllm.step`).
 
-No loop over requests, no host synchronisation, no tensor built from Python lists, no pool
-allocated: the staging and sink pools (allocated at start-up) are read and written in place by
-slot id. The ops are the :class:`~kvarn.kernels.api.AttentionOps` of the query's device
+No loop over requests, no host synchronisation, no tensor built from Python lists. Partial tiles
+are read by slot id from the step's scratch tiles, loaded from the requests' tail pages
+(:mod:`kvarn.vllm.tail`), or, for MLA and hybrid models, from the staging pool allocated at start-up;
+sink slots from the sink pool. The ops are the :class:`~kvarn.kernels.api.AttentionOps` of the query's device
 (:func:`ops_for`: Triton on CUDA, the CPU ops elsewhere), over one
 :class:`~kvarn.kernels.api.PagedContext` per layer and step. Tiles are stored without the NaN check
 of ``check_finite`` (a host sync per layer).
@@ -15,6 +16,7 @@ import torch
 from kvarn.kernels.api import AttentionOps, PagedContext, ops_for
 from kvarn.schemes import Scheme
 from kvarn.vllm.step import StepTensors, Writes
+from kvarn.vllm.tail import load_rows, save_rows
 
 Pool = tuple[torch.Tensor, torch.Tensor]  # keys, values: [num_slots, H, rows, D] model dtype
 
@@ -66,7 +68,7 @@ def run_layer(
     key: torch.Tensor,
     value: torch.Tensor,
     pages: torch.Tensor,
-    stage: Pool,
+    stage: Pool | None,
     sink: Pool | None,
     st: StepTensors,
     scheme: Scheme,
@@ -79,7 +81,8 @@ def run_layer(
     Args:
         query: ``[N, Hq, D]``; key, value: ``[N, H, D]`` (model dtype, unrotated; ``N >= st.num_tokens``).
         pages: ``[num_blocks, H, page_bytes]`` uint8 (``page_bytes >= scheme.tile_bytes(D)``).
-        stage: staging pool ``[num_slots, H, T, D]`` keys and values.
+        stage: staging pool ``[num_slots, H, T, D]`` keys and values; None with paged tails (the
+            step's scratch tiles, loaded from and saved to ``pages``: :mod:`kvarn.vllm.tail`).
         sink: sink pool ``[num_sink_slots, H, S, D]`` keys and values (schemes with sinks), else None.
         st: the step's tensors from the metadata builder.
         scheme: this layer's scheme (no per-layer overrides).
@@ -89,6 +92,12 @@ def run_layer(
     """
     n = st.num_tokens
     q, k, v, o = query[:n], key[:n], value[:n], out[:n]
+    if st.tail is not None:  # paged tails: the step's scratch tiles, their staged rows read from pages
+        assert st.layout is not None and st.scratch is not None
+        stage = st.scratch.get(st.tail.slots, k, scheme.group_size)
+        load_rows(pages, stage, st.tail, st.layout)
+    if stage is None:
+        raise ValueError("kvarn: a staging pool or a step with paged tails is needed")
     _write(stage, k, v, st.stage_pre)
     if sink is not None:
         _write(sink, k, v, st.sink_writes)
@@ -105,4 +114,8 @@ def run_layer(
         ops.decode_attention(q, ctx, out=o)
     else:
         ops.prefill_attention(q, k, v, st.cu_seqlens, ctx, max_query_len=st.max_query_len, out=o)
-    _write(stage, k, v, st.stage_post)
+    if st.tail is not None:
+        assert st.layout is not None
+        save_rows(pages, k, v, st.tail, st.layout)
+    else:
+        _write(stage, k, v, st.stage_post)

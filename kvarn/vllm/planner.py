@@ -24,6 +24,7 @@ from kvarn.vllm.registry import DTYPES
 from kvarn.vllm.sinks import SinkPool
 from kvarn.vllm.staging import RequestPlan, StagingPool
 from kvarn.vllm.step import StepTensors, build_step
+from kvarn.vllm.tail import Scratch, TailLayout, TailMoves, describe, layout_for, plan_tails
 
 logger = logging.getLogger("kvarn.vllm")
 
@@ -37,9 +38,12 @@ class Planner(Generic[StepT]):
     object, or vLLM's copy of it for another group) it returns the tensors it already built.
     """
 
-    def __init__(self, scheme: Scheme, slots: int) -> None:
+    def __init__(self, scheme: Scheme, slots: int, layout: TailLayout | None = None) -> None:
         self.scheme = scheme
-        self.pool = StagingPool(slots, scheme.group_size)
+        self.layout = layout  # paged tails (kvarn.vllm.tail); None: a staging pool of ``slots`` slots
+        self.pool = StagingPool(slots, scheme.group_size) if layout is None else None
+        self.scratch = Scratch()
+        self.moves: TailMoves | None = None  # the planned step's tail traffic (paged tails)
         cap = sink_capacity(scheme)
         self.sinks = SinkPool(slots, cap, scheme.group_size) if cap else None
         self.warned_missing = False
@@ -71,7 +75,7 @@ class Planner(Generic[StepT]):
     def writes(self, plans: list[RequestPlan], m: CommonAttentionMetadata, decode: bool) -> StepTensors:
         """The :class:`StepTensors` of planned requests on the device of ``m``'s block table."""
         table = m.block_table_tensor[: m.num_reqs]
-        return build_step(
+        step = build_step(
             plans,
             table,
             self.scheme.group_size,
@@ -79,6 +83,9 @@ class Planner(Generic[StepT]):
             has_sink=self.sinks is not None,
             decode=decode,
         )
+        if self.layout is not None:
+            step.tail, step.layout, step.scratch = self.moves, self.layout, self.scratch
+        return step
 
     def plan_requests(self, m: CommonAttentionMetadata) -> tuple[list[RequestPlan], bool]:
         """The staging (and sink) plans of one step's requests, and whether it is a decode step."""
@@ -86,9 +93,14 @@ class Planner(Generic[StepT]):
         qsl = m.query_start_loc_cpu[: n + 1].tolist()
         seq_lens = m.seq_lens[:n].cpu().tolist()
         host = m.block_table_tensor[:n].cpu()
-        rows = [host[i, : (s + t - 1) // t].tolist() for i, s in enumerate(seq_lens)]
+        ahead = self.layout.blocks if self.layout is not None else 0
+        rows = [host[i, : (s + t - 1) // t + ahead].tolist() for i, s in enumerate(seq_lens)]
         decode = all(b - a == 1 for a, b in zip(qsl, qsl[1:], strict=False))
-        plans = self.pool.plan(qsl, seq_lens, rows, reuse_now=not decode)
+        if self.layout is not None:
+            plans, self.moves = plan_tails(qsl, seq_lens, rows, self.layout, m.block_table_tensor.device)
+        else:
+            assert self.pool is not None
+            plans = self.pool.plan(qsl, seq_lens, rows, reuse_now=not decode)
         if self.sinks is not None:
             self.sinks.plan(plans)
             if self.sinks.missing and not self.warned_missing:
@@ -160,19 +172,31 @@ def shared_planner(vllm_config: VllmConfig, block_size: int, layer_names: list[s
     if planner is not None:
         planner.layers |= names
         return planner
-    slots = DTYPES.staging_slots(vllm_config.scheduler_config.max_num_seqs)
-    planner = factory(scheme, slots)
+    max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+    slots = DTYPES.staging_slots(max_num_seqs)
+    layout = layout_for(vllm_config)
+    planner = factory(scheme, slots, layout)
     planner.layers |= names
     PLANNERS.put(vllm_config, planner)
     cap = sink_capacity(scheme)
-    what = "the first tile (16-bit)" if scheme.sink_tile else f"the first {cap} tokens"
-    logger.warning(
-        "kvarn %s: staging of partial tiles%s: %d slots (max_num_seqs) = %.1f MiB over %d layers, "
-        "allocated before the KV cache and counted against its memory",
-        scheme.name,
-        f" and exact copies of {what}" if cap else "",
-        slots,
-        POOLS.bytes / 2**20,
-        POOLS.layers,
-    )
+    what = "the first tile (16-bit)" if scheme.sink_tile else f"the first {cap} token(s)"
+    if layout is not None:
+        model = vllm_config.model_config
+        heads = model.get_num_kv_heads(vllm_config.parallel_config)
+        layers = model.get_num_layers(vllm_config.parallel_config)
+        logger.warning("kvarn %s: %s", scheme.name, describe(layout, scheme, heads, model.get_head_size(), layers))
+    if cap or layout is None:
+        pooled = "exact copies of " + what if cap else ""
+        if layout is None:
+            pooled = "staging of partial tiles" + (" and " + pooled if cap else "")
+        logger.warning(
+            "kvarn %s: %s: %d slots per layer (max(max_num_seqs=%d, KVARN_STAGING_SLOTS)) = %.1f MiB over %d "
+            "layers, allocated before the KV cache and counted against its memory",
+            scheme.name,
+            pooled,
+            slots,
+            max_num_seqs,
+            POOLS.bytes / 2**20,
+            POOLS.layers,
+        )
     return planner

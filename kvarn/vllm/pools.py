@@ -21,9 +21,12 @@ def sink_capacity(scheme: Scheme) -> int:
     return scheme.group_size if scheme.sink_tile else scheme.sink_tokens
 
 
-def pool_bytes(scheme: Scheme, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_slots: int) -> int:
-    """Bytes of one layer's staging and sink pools: keys and values, ``num_slots`` slots each."""
-    rows = scheme.group_size + sink_capacity(scheme)
+def pool_bytes(
+    scheme: Scheme, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_slots: int, *, staging: bool = True
+) -> int:
+    """Bytes of one layer's pools: keys and values, ``num_slots`` slots each, of the sink pool and,
+    with ``staging`` (MLA and hybrid models; others keep partial tiles in tail blocks), the staging pool."""
+    rows = (scheme.group_size if staging else 0) + sink_capacity(scheme)
     return 2 * num_slots * num_kv_heads * rows * head_dim * dtype.itemsize
 
 

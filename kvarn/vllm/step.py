@@ -22,10 +22,14 @@ segment of this step still reads (see :class:`kvarn.vllm.staging.StagingPool`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvarn.vllm.staging import RequestPlan
+
+if TYPE_CHECKING:
+    from kvarn.vllm.tail import Scratch, TailLayout, TailMoves
 
 Writes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (token index, slot, row) [n] int64 each
 
@@ -50,6 +54,11 @@ class StepTensors:
     full_slots: torch.Tensor | None  # [F1] int64 slots holding a tile that became full
     full_tokens: torch.Tensor | None  # [F2 * T] int64 tokens of tiles that became full without staging
     full_blocks: torch.Tensor | None  # [F1 + F2] int64 their pages, slot tiles first
+    # paged tails (kvarn.vllm.tail; None with a staging pool): the step's row traffic, the layout,
+    # and the scratch tiles the slots above index
+    tail: TailMoves | None = None
+    layout: TailLayout | None = None
+    scratch: Scratch | None = None
 
 
 def _writes(lists: tuple[list[int], list[int], list[int]], device: torch.device) -> Writes | None:

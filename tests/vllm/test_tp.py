@@ -36,14 +36,14 @@ def _generate(model: Path, tp: int) -> tuple[int, Greedy]:
 
 
 def _net_tokens(num_kv_heads: int, layers: int = 2, head_dim: int = 64, slots: int = 4) -> int:
-    """KV tokens of one rank's 1 GiB once its staging and sink pools are taken: whole 128-token blocks."""
+    """KV tokens of one rank's 1 GiB once its sink pool is taken: whole 128-token blocks."""
     import torch
 
     from kvarn.schemes import get_scheme
     from kvarn.vllm.pools import pool_bytes
 
     scheme = get_scheme("kvarn_k4v2_g128")
-    pools = layers * pool_bytes(scheme, num_kv_heads, head_dim, torch.bfloat16, slots)
+    pools = layers * pool_bytes(scheme, num_kv_heads, head_dim, torch.bfloat16, slots, staging=False)
     return (2**30 - pools) // (layers * num_kv_heads * scheme.tile_bytes(head_dim)) * 128
 
 
@@ -57,8 +57,7 @@ def test_tp2_matches_tp1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     cores = sorted(os.sched_getaffinity(0))[:2]
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
     tokens2, out2 = _generate(model, 2)
-    # each rank holds half the heads (and half the staging/sink pools) in its own 1 GiB: measured
-    # 2026-12-01, 4,707,072 and 9,416,448 tokens, exactly these formulas
+    # each rank holds half the heads (and half the sink pool) in its own 1 GiB: exactly these formulas
     assert tokens1 == _net_tokens(num_kv_heads=2)
     assert tokens2 == _net_tokens(num_kv_heads=1)
     # TP=2 sums the two ranks' halves in another order (bf16): the same greedy tokens up to a near-tie.

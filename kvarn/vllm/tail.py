@@ -1,0 +1,294 @@
+"""The 16-bit tail of each running request, kept in blocks of vLLM's own pool.
+
+A tile's scales need all of its ``T`` tokens, so the tokens of a partially filled tile wait
+unquantized. They wait in the request's own *lookahead blocks*: the kvarn KV-cache manager
+(:class:`TailManager`) gives every request ``L`` blocks beyond the tiles its tokens fill, taken from
+the block pool vLLM sizes when the request is scheduled and freed with it. The tail of tile ``j``
+lives in the pages of blocks ``j + 1 .. j + L`` of the request's block table, which hold no packed
+tile until the sequence reaches them. So the memory of tails follows the requests that actually run:
+no pool is sized by ``max_num_seqs``, and the KV capacity vLLM reports is the packed one.
+
+Layout (:class:`TailLayout`): a page holds, per KV head, ``rows_per_page`` rows of keys then values
+in the model dtype (``[rows_per_page, 2, D]``). Row ``r`` of tile ``j`` sits at linear index
+``x = L * rows_per_page - 1 - r`` of the ``L`` pages after block ``j``: page ``j + 1 + x //
+rows_per_page``, row ``x % rows_per_page``. Filling backwards keeps a tile's rows intact while the
+next tile writes its first ``rows_per_page - 1`` rows (their pages differ), so a step whose draft
+tokens are rejected (speculative decoding rolls a request back into a tile it completed) still
+finds the rows of that tile; rows the next tile writes later overwrite them, and by then no
+rollback can reach them. The packed record of tile ``j`` goes into block ``j`` itself, which then
+holds no row anyone reads.
+
+A running request costs ``L`` blocks beyond its tiles (``L * T`` tokens of packed capacity), only
+while it runs: ``L = ceil(T / rows_per_page)``, e.g. 5 for ``kvarn_k4v2_g128`` at head_dim 64 or
+128 in bfloat16. The rows of the smallest page of the model's kvarn layers set ``rows_per_page``
+for all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from kvarn.schemes import Scheme
+from kvarn.vllm.staging import RequestPlan
+
+logger = logging.getLogger("kvarn.vllm")
+
+
+@dataclass(frozen=True)
+class TailLayout:
+    """Where the 16-bit rows of a partial tile live (see the module docstring).
+
+    ``group_size``: tokens per tile (``T``); ``rows_per_page``: rows per page and KV head;
+    ``blocks``: lookahead blocks per request (``L``); ``head_dim`` and ``dtype``: of the rows
+    (keys then values of one KV head, the model dtype).
+    """
+
+    group_size: int
+    rows_per_page: int
+    blocks: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row: keys and values of one KV head."""
+        return 2 * self.head_dim * self.dtype.itemsize
+
+    def address(self, tile: int, row: int) -> tuple[int, int]:
+        """``(index into the request's block row, row within that page)`` of row ``row`` of ``tile``."""
+        x = self.blocks * self.rows_per_page - 1 - row
+        return tile + 1 + x // self.rows_per_page, x % self.rows_per_page
+
+    def rows_view(self, pages: torch.Tensor) -> torch.Tensor:
+        """``pages`` ``[NB, H, page_bytes]`` uint8 as ``[NB, H, rows_per_page, row_bytes]`` uint8 (a view)."""
+        return pages[:, :, : self.rows_per_page * self.row_bytes].unflatten(2, (self.rows_per_page, self.row_bytes))
+
+
+def tail_layout(
+    scheme: Scheme, head_dim: int, num_layers: int, dtype: torch.dtype, max_rollback: int = 0
+) -> TailLayout:
+    """The tail layout of a model whose kvarn layers follow ``scheme`` (per-layer overrides included).
+
+    ``max_rollback``: the most tokens a step may roll back (the speculative tokens per step).
+
+    Raises:
+        ValueError: a page holds no 16-bit row, or too few rows to survive a rollback.
+    """
+    pages = [s.tile_bytes(head_dim) for i in range(max(num_layers, 1)) if (s := scheme.for_layer(i)) is not None]
+    if not pages:
+        raise ValueError(f"{scheme.name}: no layer of the model is quantized")
+    row = 2 * head_dim * dtype.itemsize
+    rows = min(pages) // row
+    if rows <= max_rollback:
+        raise ValueError(
+            f"{scheme.name}: a page of {min(pages)} bytes per KV head holds {rows} 16-bit rows of head_dim "
+            f"{head_dim} in {dtype}; the tail needs more than the {max_rollback} speculative tokens per step. "
+            "Use fewer speculative tokens or a scheme with more bits."
+        )
+    return TailLayout(scheme.group_size, rows, math.ceil(scheme.group_size / rows), head_dim, dtype)
+
+
+def layout_for(vllm_config: Any) -> TailLayout | None:
+    """The tail layout of an engine configuration, or None where the tail stays in a staging pool
+    (MLA models and hybrid Mamba / linear-attention models, whose blocks hold several tiles)."""
+    from kvarn.vllm.registry import is_kvarn_dtype, scheme_of
+
+    cache, model = vllm_config.cache_config, vllm_config.model_config
+    if model is None or not is_kvarn_dtype(cache.cache_dtype) or model.use_mla or getattr(model, "is_hybrid", False):
+        return None
+    spec = vllm_config.speculative_config
+    rollback = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    dtype = model.dtype
+    assert isinstance(dtype, torch.dtype)
+    layers = model.get_num_layers(vllm_config.parallel_config)
+    return tail_layout(scheme_of(str(cache.cache_dtype)), model.get_head_size(), layers, dtype, rollback)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TailSpec(FullAttentionSpec):
+    """A full-attention spec whose requests hold ``tail_blocks`` blocks beyond their tokens' tiles.
+
+    Every layer of the kvarn group has it (16-bit layers of the group too, so that the group is of one
+    type and its block table of one width); :class:`TailManager` allocates by it. The memory vLLM
+    counts per request (``max_memory_usage_bytes``, behind the capacity it logs) stays that of the
+    request's tiles, as for vLLM's own speculative lookahead: the tail blocks are a running request's
+    cost, which kvarn logs beside it (:func:`describe`).
+    """
+
+    tail_blocks: int = 0
+
+    def max_num_blocks_per_req(self, vllm_config: Any, max_len: int) -> int:
+        return int(super().max_num_blocks_per_req(vllm_config, max_len)) + self.tail_blocks
+
+    @classmethod
+    def merge(cls, specs: list[Any]) -> Any:
+        merged = super().merge(specs)
+        return replace(merged, tail_blocks=max(s.tail_blocks for s in specs))
+
+
+def with_tail(spec: Any, blocks: int) -> Any:
+    """``spec`` (a plain :class:`FullAttentionSpec`) as a :class:`TailSpec` of ``blocks`` lookahead blocks."""
+    if type(spec) is not FullAttentionSpec:
+        return spec
+    kwargs = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
+    return TailSpec(**kwargs, tail_blocks=blocks)
+
+
+class TailManager(FullAttentionManager):  # type: ignore[misc]
+    """vLLM's full-attention manager, allocating ``tail_blocks`` more blocks for every request that
+    holds tokens (the lookahead pages its 16-bit tail lives in)."""
+
+    def _ahead(self, num_tokens: int) -> int:
+        return num_tokens + self.kv_cache_spec.tail_blocks * self.block_size if num_tokens > 0 else 0
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args: Any, **kwargs: Any) -> int:
+        return int(super().get_num_blocks_to_allocate(request_id, self._ahead(num_tokens), *args, **kwargs))
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        return super().allocate_new_blocks(request_id, self._ahead(num_tokens), *args, **kwargs)
+
+
+def register_spec() -> None:
+    """Register :class:`TailSpec` with vLLM's KV-cache spec registry (its manager: :class:`TailManager`,
+    grouped with full attention)."""
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    KVCacheSpecRegistry.register(TailSpec, TailManager, uniform_type_base_spec=FullAttentionSpec)
+
+
+def describe(layout: TailLayout, scheme: Scheme, num_kv_heads: int, head_dim: int, num_layers: int) -> str:
+    """One line for the start-up log: what a running request holds beyond its tiles."""
+    page = num_kv_heads * scheme.tile_bytes(head_dim) * num_layers
+    return (
+        f"16-bit tails in vLLM's block pool: each running request holds {layout.blocks} blocks beyond its "
+        f"tiles ({layout.blocks * layout.group_size} tokens of packed capacity, ~{layout.blocks * page / 2**20:.1f} "
+        f"MiB), freed when it finishes; no staging pool"
+    )
+
+
+@dataclass
+class TailMoves:
+    """A step's traffic between the tails in pages and the step's 16-bit scratch tiles.
+
+    ``slots``: scratch tiles this step uses (``[slots, H, T, D]`` keys and values, see
+    :func:`kvarn.vllm.forward.run_layer`); ``loads``: ``(slot, row, block, offset)`` ``[n]`` int64
+    each, the staged rows read from pages into scratch before anything else; ``saves``: ``(token,
+    block, offset)`` ``[m]`` int64 each, this step's rows written into pages at the end.
+    """
+
+    slots: int
+    loads: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    saves: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+
+def plan_tails(
+    query_start: list[int], seq_lens: list[int], block_rows: list[list[int]], layout: TailLayout, device: torch.device
+) -> tuple[list[RequestPlan], TailMoves]:
+    """Plan one step of paged tails: each request's plan (scratch slots numbered within the step) and
+    the loads and saves of its 16-bit rows.
+
+    Args:
+        query_start: ``[num_reqs + 1]`` offsets of each request's new tokens.
+        seq_lens: ``[num_reqs]`` tokens of each request after this step.
+        block_rows: per request, its block ids: its tiles, then its ``layout.blocks`` lookahead blocks.
+        layout: where the rows live.
+        device: where the moves' tensors go.
+
+    A request's rows are saved from the first row of its last tile, or of the tile before when the
+    last one holds fewer than ``rows_per_page`` rows (a rollback may return to it).
+    """
+    t, rpp = layout.group_size, layout.rows_per_page
+    plans: list[RequestPlan] = []
+    loads: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+    saves: tuple[list[int], list[int], list[int]] = ([], [], [])
+    slots = 0
+    for i, seq_len in enumerate(seq_lens):
+        q0, q_len = query_start[i], query_start[i + 1] - query_start[i]
+        full = block_rows[i]
+        p = RequestPlan(q0, q_len, seq_len - q_len, full[: (seq_len + t - 1) // t])
+        p.dummy = q_len == 0 or not p.row or 0 in p.row
+        plans.append(p)
+        if p.dummy:
+            continue
+        staged, first = p.staged(t), p.ctx // t
+        if staged:
+            p.read_slot, slots = slots, slots + 1
+            for r in range(staged):
+                k, off = layout.address(first, r)
+                loads[0].append(p.read_slot)
+                loads[1].append(r)
+                loads[2].append(full[k])
+                loads[3].append(off)
+        if seq_len % t and not (seq_len // t == first and staged):
+            p.new_slot, slots = slots, slots + 1
+        last = (seq_len - 1) // t
+        lo = last * t if seq_len - last * t >= rpp else max(last - 1, 0) * t
+        for pos in range(max(p.ctx, lo), seq_len):
+            k, off = layout.address(pos // t, pos % t)
+            saves[0].append(q0 + pos - p.ctx)
+            saves[1].append(full[k])
+            saves[2].append(off)
+
+    def tensors(lists: tuple[list[int], ...]) -> Any:
+        if not lists[0]:
+            return None
+        return tuple(torch.tensor(x, dtype=torch.long).to(device, non_blocking=True) for x in lists)
+
+    return plans, TailMoves(slots, tensors(loads), tensors(saves))
+
+
+def load_rows(
+    pages: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor], moves: TailMoves, layout: TailLayout
+) -> None:
+    """Copy the staged rows of ``moves.loads`` from ``pages`` ``[NB, H, page_bytes]`` uint8 into the
+    scratch tiles ``[slots, H, T, D]`` (keys, values)."""
+    if moves.loads is None:
+        return
+    slot, row, block, off = moves.loads
+    k, v = scratch
+    rows = layout.rows_view(pages)[block, :, off].contiguous().view(layout.dtype)  # [n, H, 2 * D]
+    d = layout.head_dim
+    k[slot, :, row] = rows[..., :d].to(k.dtype)
+    v[slot, :, row] = rows[..., d:].to(v.dtype)
+
+
+def save_rows(
+    pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor, moves: TailMoves, layout: TailLayout
+) -> None:
+    """Write this step's rows ``moves.saves`` of ``key``/``value`` ``[N, H, D]`` into ``pages``."""
+    if moves.saves is None:
+        return
+    token, block, off = moves.saves
+    rows = torch.cat([key.index_select(0, token), value.index_select(0, token)], dim=-1)  # [m, H, 2 * D]
+    layout.rows_view(pages)[block, :, off] = rows.to(layout.dtype).view(torch.uint8)
+
+
+class Scratch:
+    """16-bit scratch tiles (``[slots, H, T, D]`` keys and values) that every layer of a step uses in
+    turn, kept between steps and grown to the most slots a step has needed."""
+
+    def __init__(self) -> None:
+        self.tiles: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(self, slots: int, like: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``slots`` scratch tiles shaped for keys ``like`` ``[N, H, D]`` (its dtype and device)."""
+        shape = (max(slots, 1), like.shape[1], group_size, like.shape[2])
+        k = self.tiles[0] if self.tiles is not None else None
+        if (
+            k is None
+            or k.shape[0] < shape[0]
+            or k.shape[1:] != shape[1:]
+            or k.dtype != like.dtype
+            or k.device != like.device
+        ):
+            n = max(shape[0], k.shape[0] if k is not None and k.shape[1:] == shape[1:] else 0)
+            size = (n, *shape[1:])
+            self.tiles = (like.new_empty(size), like.new_empty(size))
+        return self.tiles[0][: shape[0]], self.tiles[1][: shape[0]]

@@ -1,0 +1,141 @@
+"""Paged 16-bit tails (kvarn.vllm.tail): the layout, the spec and manager vLLM allocates by, and the
+rows a step loads and saves, against the exact rows, through prefill chunks, decode and rollbacks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from kvarn.schemes import Scheme  # noqa: E402
+from kvarn.vllm.tail import TailLayout, load_rows, plan_tails, save_rows, tail_layout  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.mark.parametrize(
+    ("name", "head_dim", "rows", "blocks"),
+    [
+        ("kvarn_k4v2_g128", 64, 28, 5),  # SmolLM2 (docs/tail_design.md)
+        ("kvarn_k4v2_g128", 128, 27, 5),  # Llama-3-8B
+        ("kvarn_k4v4_g128", 128, 35, 4),
+        ("kvarn_k4v2_g64", 128, 14, 5),
+    ],
+)
+def test_layout_of_known_shapes(name: str, head_dim: int, rows: int, blocks: int) -> None:
+    s = Scheme.from_name(name)
+    layout = tail_layout(s, head_dim, 30, torch.bfloat16)
+    assert layout.rows_per_page == s.tile_bytes(head_dim) // (4 * head_dim) == rows
+    assert layout.blocks == math.ceil(s.group_size / rows) == blocks
+    assert tail_layout(s, head_dim, 30, torch.float32).rows_per_page == rows // 2  # rows of 4-byte numbers
+
+
+def test_layout_takes_the_smallest_page_of_a_mixed_preset() -> None:
+    s = Scheme.from_name("kvarn_k4v2_g128_L0k2v2_L1fp16")
+    small = Scheme.from_name("kvarn_k2v2_g128").tile_bytes(64) // 256
+    assert tail_layout(s, 64, 4, torch.bfloat16).rows_per_page == small
+    assert tail_layout(s, 64, 1, torch.bfloat16).rows_per_page == small  # layer 0 only
+
+
+def test_layout_refuses_more_speculative_tokens_than_a_page_survives() -> None:
+    s = Scheme.from_name("kvarn_k4v2_g128")
+    tail_layout(s, 64, 30, torch.bfloat16, max_rollback=27)
+    with pytest.raises(ValueError, match=r"holds 28 16-bit rows .* more than the 28 speculative tokens"):
+        tail_layout(s, 64, 30, torch.bfloat16, max_rollback=28)
+
+
+@pytest.mark.parametrize("rows", [28, 27, 35, 25, 7])
+def test_addresses_stay_in_the_lookahead_and_survive_the_next_tile(rows: int) -> None:
+    """Tile j's rows fill distinct places of blocks j+1..j+L; the next tile's first rows_per_page - 1
+    rows never land on them (a rollback into tile j still finds all of its rows)."""
+    t = 128
+    layout = TailLayout(t, rows, math.ceil(t / rows), 64, torch.bfloat16)
+    mine = {layout.address(3, r) for r in range(t)}
+    assert len(mine) == t and {k for k, _ in mine} <= set(range(4, 4 + layout.blocks))
+    nxt = {layout.address(4, r) for r in range(rows - 1)}
+    assert not mine & nxt
+    assert mine & {layout.address(4, r) for r in range(t)}  # later rows of the next tile do reuse them
+
+
+def _run_steps(steps: list[tuple[int, int]], layout: TailLayout, seed: int = 0) -> None:
+    """Run ``(ctx, q_len)`` steps of one request through plan/load/save; after each step check that
+    what the next step loads equals the exact rows of those positions (the rows of the step that
+    wrote them last: a rolled-back position is written again)."""
+    t, h, d = layout.group_size, 2, layout.head_dim
+    blocks = [9, 3, 7, 1, 12, 5, 8, 2, 11, 4, 10, 6, 13]  # the request's block row: tiles, then ahead
+    pages = torch.full((14, h, layout.rows_per_page * layout.row_bytes + 5), 255, dtype=torch.uint8)
+    truth: dict[int, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(seed)
+    for ctx, q_len in steps:
+        seq = ctx + q_len
+        plans, moves = plan_tails([0, q_len], [seq], [blocks], layout, torch.device("cpu"))
+        p = plans[0]
+        assert p.row == blocks[: math.ceil(seq / t)]
+        k, v = torch.randn(q_len, h, d, generator=gen), torch.randn(q_len, h, d, generator=gen)
+        scratch = (torch.zeros(moves.slots, h, t, d), torch.zeros(moves.slots, h, t, d))
+        load_rows(pages, scratch, moves, layout)
+        for r in range(ctx % t):  # the staged rows of tile ctx // t, exactly (bf16 rows)
+            want = truth[ctx - ctx % t + r]
+            torch.testing.assert_close(scratch[0][p.read_slot, :, r], want[0], rtol=0, atol=0)
+            torch.testing.assert_close(scratch[1][p.read_slot, :, r], want[1], rtol=0, atol=0)
+        save_rows(pages, k, v, moves, layout)
+        for i in range(q_len):
+            truth[ctx + i] = (k[i].bfloat16().float(), v[i].bfloat16().float())
+
+
+def test_rows_round_trip_through_chunks_decode_and_rollbacks() -> None:
+    layout = tail_layout(Scheme.from_name("kvarn_k4v2_g128"), 64, 30, torch.bfloat16)
+    steps = [(0, 100), (100, 1), (101, 20), (121, 4)]  # a chunk, decode, a chunk, speculative step
+    steps += [(122, 4), (125, 4)]  # rolled back to 122, then a step that completes tile 0 and starts tile 1
+    steps += [(126, 4), (127, 1)]  # rolled back into tile 0 twice: its rows must still be there
+    steps += [(128, 3), (129, 200), (329, 1), (330, 50), (380, 4), (381, 2)]  # across tiles, decode
+    _run_steps(steps, layout)
+
+
+def test_a_step_over_many_tiles_saves_only_what_later_steps_read() -> None:
+    layout = tail_layout(Scheme.from_name("kvarn_k4v4_g128"), 64, 30, torch.bfloat16)
+    plans, moves = plan_tails([0, 700], [700], [list(range(1, 12))], layout, torch.device("cpu"))
+    assert moves.loads is None and moves.saves is not None
+    assert moves.saves[0].tolist() == list(range(640, 700))  # tile 5's 60 rows (>= rows_per_page)
+    plans, moves = plan_tails([0, 645], [645], [list(range(1, 12))], layout, torch.device("cpu"))
+    assert moves.saves is not None and moves.saves[0].tolist() == list(range(512, 645))  # tile 4 too
+
+
+def test_spec_and_manager_add_the_lookahead() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from kvarn.vllm.tail import TailManager, TailSpec, with_tail
+
+    base = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+    spec = with_tail(base, 5)
+    assert isinstance(spec, TailSpec) and spec.tail_blocks == 5 and spec.page_size_bytes == base.page_size_bytes
+    from types import SimpleNamespace
+
+    cfg: Any = SimpleNamespace(parallel_config=SimpleNamespace(decode_context_parallel_size=1))
+    assert spec.max_num_blocks_per_req(cfg, 1000) == base.max_num_blocks_per_req(cfg, 1000) + 5 == 13
+    assert TailSpec.merge([spec, spec]).tail_blocks == 5
+    window = SlidingWindowSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, sliding_window=512)
+    assert with_tail(window, 5) is window  # only plain full attention holds tails
+
+    class Pool:  # the part of vLLM's BlockPool the manager uses here
+        def __init__(self) -> None:
+            self.next = 1
+
+        def get_new_blocks(self, n: int) -> list[Any]:
+            out = [SimpleNamespace(block_id=self.next + i) for i in range(n)]
+            self.next += n
+            return out
+
+    manager = object.__new__(TailManager)
+    manager.kv_cache_spec, manager.block_size = spec, 128
+    manager.req_to_blocks, manager._partial_hit_reqs = {"r": []}, {}
+    manager._record_new_block_ids, manager.block_pool = False, Pool()
+    manager.num_cached_block = {"r": 0}
+    assert manager.get_num_blocks_to_allocate("r", 300, [], 0, 0, 300) == 3 + 5
+    assert len(manager.allocate_new_blocks("r", 300, 300)) == 8
+    assert len(manager.allocate_new_blocks("r", 390, 390)) == 1  # a fourth tile, so one more block ahead
+    assert manager.get_num_blocks_to_allocate("r", 0, [], 0, 0, 0) == 0
