@@ -34,12 +34,14 @@ from kvarn.vllm.engine import cpu_engine, kv_tokens  # noqa: E402
 
 
 def pools_mib(llm: Any) -> float:
-    """MiB of kvarn's staging and sink pools in this engine (0 for other dtypes): one pool per layer
-    kvarn serves, none for sliding-window layers or a preset's fp16 layers (vLLM's own cache)."""
+    """MiB of kvarn's pools in this engine (0 for other dtypes): the sink pool, and the staging pool
+    where partial tiles do not wait in tail blocks (MLA, hybrid), for each layer kvarn serves; none for
+    sliding-window layers or a preset's fp16 layers (vLLM's own cache)."""
     from kvarn.schemes import get_preset
     from kvarn.vllm.admission import FULL, fp16_layers, layer_types
     from kvarn.vllm.plugin import is_kvarn_dtype
     from kvarn.vllm.pools import pool_bytes
+    from kvarn.vllm.tail import layout_for
 
     cfg = llm.llm_engine.vllm_config
     if not is_kvarn_dtype(cfg.cache_config.cache_dtype):
@@ -47,7 +49,10 @@ def pools_mib(llm: Any) -> float:
     model = cfg.model_config
     scheme = get_preset(cfg.cache_config.cache_dtype).scheme
     heads = model.get_num_kv_heads(cfg.parallel_config)
-    per_layer = pool_bytes(scheme, heads, model.get_head_size(), model.dtype, cfg.scheduler_config.max_num_seqs)
+    staging = layout_for(cfg) is None  # else partial tiles wait in tail blocks, not in a pool
+    per_layer = pool_bytes(
+        scheme, heads, model.get_head_size(), model.dtype, cfg.scheduler_config.max_num_seqs, staging=staging
+    )
     layers = model.get_num_layers(cfg.parallel_config)
     types = layer_types(getattr(model, "hf_text_config", None) or model.hf_config)
     fp16 = set(fp16_layers(scheme, layers))
@@ -164,6 +169,131 @@ def throughput(dtypes: list[str], context: int, new_tokens: int) -> list[dict[st
     return rows
 
 
+LLAMA3_8B = {  # Llama-3-8B's attention shapes; a config only, no weights
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_hidden_layers": 32,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+}
+
+
+def _running_cost(llm_config: Any) -> int:
+    """Blocks a running request holds beyond its tiles (kvarn's tail blocks; 0 for other dtypes)."""
+    from kvarn.vllm.tail import layout_for
+
+    layout = layout_for(llm_config)
+    return layout.blocks if layout is not None else 0
+
+
+def defaults_smollm2(dtypes: list[str], kv_gib: int) -> list[dict[str, Any]]:
+    """SmolLM2 through ``vllm.LLM`` with vLLM's defaults (``max_num_seqs``, ``max_model_len``, prefill
+    chunks), ``kv_gib`` GiB of KV memory, block size = tile: the KV tokens vLLM logs, and how many
+    requests of ``max_model_len`` tokens fit once each running request's tail blocks are counted."""
+    from vllm import LLM
+
+    from kvarn.models import resolve_model
+
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+    rows = []
+    for dtype in dtypes:
+        llm = LLM(model=str(resolve_model("smollm2-135m", dtype="bfloat16")), kv_cache_dtype=dtype,
+                  block_size=block_size_for(dtype), seed=0)  # fmt: skip
+        try:
+            cfg = llm.llm_engine.vllm_config
+            rows.append(_row("smollm2-135m (CPU, vLLM defaults)", dtype, cfg, kv_tokens(llm), pools_mib(llm)))
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+    return rows
+
+
+def _row(model: str, dtype: str, cfg: Any, tokens: int, pools: float) -> dict[str, Any]:
+    cache, sched = cfg.cache_config, cfg.scheduler_config
+    max_len = cfg.model_config.max_model_len
+    blocks = int(cache.num_gpu_blocks)
+    tail = _running_cost(cfg)
+    per_request = -(-max_len // int(cache.block_size)) + tail
+    return {
+        "model": model,
+        "kv_cache_dtype": dtype,
+        "max_num_seqs": sched.max_num_seqs,
+        "max_model_len": max_len,
+        "kv_tokens": tokens,
+        "blocks": blocks,
+        "tail_blocks_per_running_request": tail,
+        "max_len_requests_that_fit": blocks // per_request,
+        "pools_mib": round(pools, 1),
+    }
+
+
+def defaults_llama3_8b(dtypes: list[str], kv_gib: int = 54, max_num_seqs: int = 1024) -> list[dict[str, Any]]:
+    """Llama-3-8B's shapes at an H100's defaults (``max_num_seqs`` 1024, 54 GiB of KV memory), sized by
+    vLLM's own KV-cache planning on CPU from the layer specs kvarn's patches give (no weights, no
+    engine): the KV tokens vLLM would log, net of kvarn's sink pool."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvarn.schemes import get_preset
+    from kvarn.vllm.pages import layer_page_bytes, packed_spec
+    from kvarn.vllm.plugin import is_kvarn_dtype, register, resolve_dtype
+    from kvarn.vllm.pools import pool_bytes, sink_capacity
+    from kvarn.vllm.tail import layout_for, with_tail
+    from tests.vllm.synthetic import write_config_only
+
+    register()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(write_config_only(Path(tmp) / "llama3-8b", **LLAMA3_8B))
+        for dtype in dtypes:
+            name = resolve_dtype(dtype)
+            args = EngineArgs(model=model, kv_cache_dtype=name, block_size=block_size_for(dtype),
+                              max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_gib * 2**30)  # fmt: skip
+            cfg = args.create_engine_config()
+            cfg.cache_config.kv_cache_layout = "LBHNC"  # resolved by the engine core in a real engine
+            heads, d, layers = 8, 128, 32
+            base = FullAttentionSpec(block_size=cfg.cache_config.block_size, num_kv_heads=heads, head_size=d,
+                                     dtype=torch.bfloat16)  # fmt: skip
+            specs: dict[str, Any] = {}
+            pools = 0
+            with set_current_vllm_config(cfg):
+                layout = layout_for(cfg)
+                for i in range(layers):
+                    spec: Any = base
+                    if is_kvarn_dtype(name):
+                        scheme = get_preset(name).scheme
+                        if scheme.for_layer(i) is not None:
+                            spec = packed_spec(base, scheme, layer_page_bytes(scheme, d, i))
+                            staging = layout is None
+                            if sink_capacity(scheme) or staging:
+                                pools += pool_bytes(scheme, heads, d, torch.bfloat16, max_num_seqs, staging=staging)
+                        if layout is not None:
+                            spec = with_tail(spec, layout.blocks)
+                    specs[f"model.layers.{i}.self_attn.attn"] = spec
+                config = kcu.get_kv_cache_configs(cfg, [specs], [kv_gib * 2**30 - pools])[0]
+                tokens, _ = kcu.get_kv_cache_capacity(cfg, config)
+                cfg.cache_config.num_gpu_blocks = config.num_blocks
+            label = f"Llama-3-8B shapes ({kv_gib} GiB, vLLM's sizing)"
+            rows.append(_row(label, dtype, cfg, int(tokens), pools / 2**20))
+    return rows
+
+
+def _vs_default(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    base = {r["model"]: r for r in rows if r["kv_cache_dtype"] == "auto"}
+    for r in rows:
+        b = base.get(r["model"])
+        r["vs_default"] = round(r["kv_tokens"] / b["kv_tokens"], 3) if b else None
+        if b:
+            r["max_len_requests_vs_default"] = round(r["max_len_requests_that_fit"] / b["max_len_requests_that_fit"], 3)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -177,6 +307,9 @@ def main() -> None:
         help="kv_cache_dtypes: vLLM's, kvarn names, preset names (KVARN_PRESET_PATH adds preset folders)",
     )
     c.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    f = sub.add_parser("defaults", help="KV tokens at vLLM's default settings (SmolLM2 on CPU, Llama-3-8B shapes)")
+    f.add_argument("--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128", "kvarn_k4v4_g128"])
+    f.add_argument("--models", nargs="+", choices=("smollm2", "llama3-8b"), default=["smollm2", "llama3-8b"])
     t = sub.add_parser("throughput", help="decode tokens/s at a given context, kvarn vs default")
     t.add_argument("--context", type=int, default=2048)
     t.add_argument("--new-tokens", type=int, default=32)
@@ -184,6 +317,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.cmd == "capacity":
         rows = capacity(args.dtypes, args.kv_gib, args.max_num_seqs, tuple(args.models))
+    elif args.cmd == "defaults":
+        rows = defaults_llama3_8b(args.dtypes) if "llama3-8b" in args.models else []
+        rows += defaults_smollm2(args.dtypes, 1) if "smollm2" in args.models else []
+        rows = _vs_default(rows)
     else:
         rows = throughput(args.dtypes, args.context, args.new_tokens)
     print(json.dumps(rows, indent=1))

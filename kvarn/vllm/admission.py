@@ -32,6 +32,13 @@ def check_model(name: str, scheme: Scheme, vllm_config: Any) -> None:
     with ``scheme`` (the Scheme of the dtype ``name``)."""
     model = vllm_config.model_config
     block = vllm_config.cache_config.block_size
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        raise ValueError(
+            f"kv_cache_dtype={name!r} cannot be served with a KV connector (--kv-transfer-config): connectors "
+            "move a request's blocks of full tiles, not the 16-bit rows of its partial tile (in blocks beyond "
+            "them, or a staging pool) nor its exact first tokens (a sink pool), so a request moved to another "
+            "engine would read stale rows. Serve without --kv-transfer-config, or with another kv_cache_dtype."
+        )
     if model is not None:
         _check_layers(name, scheme, model)
         _check_fp16_layers(name, scheme, model)

@@ -115,7 +115,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
         self.scheme = self.planner.scheme
 
     @property
-    def pool(self) -> StagingPool:
+    def pool(self) -> StagingPool | None:
         return self.planner.pool
 
     @property

