@@ -185,6 +185,7 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.layer_scheme: Scheme | None = None
+        self.ops = DTYPES.ops()  # None: by the query's device (kvarn.kernels.api.ops_for)
         # the pools, allocated now: before vLLM measures memory for the KV cache. Partial tiles wait in
         # the requests' own tail blocks (kvarn.vllm.tail) except where that layout does not apply.
         slots = DTYPES.staging_slots(config.scheduler_config.max_num_seqs)
@@ -239,7 +240,7 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         out = output.view(-1, self.num_heads, self.head_size)
         scheme = self._layer_scheme(layer)
         pages = kv_cache[:, :, 0, :]
-        run_layer(query, key, value, pages, self.stage, self.sink, attn_metadata, scheme, self.scale, out)
+        run_layer(query, key, value, pages, self.stage, self.sink, attn_metadata, scheme, self.scale, out, self.ops)
         return output
 
 

@@ -40,6 +40,9 @@ BACKEND_PATH = "kvarn.vllm.backend.KvarnAttentionBackend"
 MLA_BACKEND_NAME = "KVARN_MLA"
 MLA_BACKEND_PATH = "kvarn.vllm.mla.KvarnMLABackend"
 STAGING_SLOTS_ENV = "KVARN_STAGING_SLOTS"
+# "triton" or "cpu": the attention ops every kvarn layer uses, whatever its device (unset: by device).
+# "triton" on a CPU runs the CUDA serving path's kernels under Triton's interpreter (TRITON_INTERPRET=1).
+OPS_ENV = "KVARN_OPS"
 # Names resolved in the front end that no preset file lists (canonical names such as
 # kvarn_k4v2_g128_sink1): exported here so that the engine and worker processes, which vLLM spawns
 # with this environment and which only scan the preset folders, register them too.
@@ -130,6 +133,7 @@ def register() -> None:
     """Entry point (``vllm.general_plugins``): kvarn dtypes, attention backends and patches."""
     schemes = _startup_schemes()
     DTYPES.staging_env = os.environ.get(STAGING_SLOTS_ENV, "")
+    DTYPES.ops_env = os.environ.get(OPS_ENV, "")
     _add(schemes)
     _register_backends()
     patches.install(resolve_dtype, backend=BACKEND_PATH, mla_backend=MLA_BACKEND_PATH)

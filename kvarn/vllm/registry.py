@@ -9,9 +9,13 @@ again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvarn.schemes import Scheme, get_preset
 from kvarn.vllm import compat
+
+if TYPE_CHECKING:
+    from kvarn.kernels.api import AttentionOps
 
 PREFIX = "kvarn_"
 DEFAULT_INITIAL_SLOTS = 16
@@ -22,11 +26,31 @@ class KvarnDtypes:
     """Name -> Scheme of every kvarn ``kv_cache_dtype`` registered in this process.
 
     ``staging_env``: the raw ``KVARN_STAGING_SLOTS`` setting the entry point read at plugin load
-    ("" when unset); :meth:`staging_slots` validates it where the pools are sized.
+    ("" when unset); :meth:`staging_slots` validates it where the pools are sized. ``ops_env``: the
+    raw ``KVARN_OPS`` setting; :meth:`ops` validates it.
     """
 
     schemes: dict[str, Scheme] = field(default_factory=dict)
     staging_env: str = ""
+    ops_env: str = ""
+
+    def ops(self) -> AttentionOps | None:
+        """The attention ops ``KVARN_OPS`` names (``triton`` or ``cpu``), or None (by device).
+
+        Raises:
+            ValueError: another value.
+        """
+        if not self.ops_env:
+            return None
+        if self.ops_env == "triton":
+            from kvarn.kernels.triton import ops as triton_ops
+
+            return triton_ops
+        if self.ops_env == "cpu":
+            from kvarn.kernels.cpu import ops as cpu_ops
+
+            return cpu_ops
+        raise ValueError(f"KVARN_OPS={self.ops_env!r} is not one of: triton, cpu (or unset: by device)")
 
     def add(self, schemes: dict[str, Scheme]) -> None:
         """Record ``schemes`` (name -> scheme); names already known keep their scheme."""

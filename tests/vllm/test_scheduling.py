@@ -10,7 +10,7 @@ preempted and recomputed vs not, speculative verification vs decode) the two ker
 differently, so the tokens must be identical or first differ at a near-tie: both runs rank the two
 tokens within :data:`NEAR_TIE` nats of each other there, and every logprob before it agrees within
 :data:`MAX_DRIFT`.
-Two engines, each started once (module fixtures), short prompts and few tokens.
+Three engines, each started once (module fixtures), short prompts and few tokens.
 """
 
 from __future__ import annotations
@@ -260,3 +260,39 @@ def test_ngram_speculative_decoding_gives_the_greedy_tokens(
     assert crowd_run["accepted"] > 0, "no draft token was accepted: the test did not exercise speculation"
     for spec, plain in zip(crowd_run["alone"], main_run["crowd_alone"], strict=True):
         assert _agree(spec, plain) is None, _agree(spec, plain)
+
+
+@pytest.fixture(scope="module")
+def default_settings_run() -> dict[str, Any]:
+    """Engine 3: vLLM's default scheduler settings (max_num_seqs 256 on CPU) and 1 GiB of KV memory;
+    256 distinct requests at once (8 of them over a tile), then each alone on an empty prefix cache."""
+    from kvarn.models import resolve_model
+    from kvarn.vllm.engine import cpu_engine, kv_tokens
+
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    ids = _text_ids()
+    prompts = [ids[i * 29 % 4000 :][: 12 + i % 29] for i in range(248)]
+    prompts += [ids[4500 + i * 350 :][: 130 + 9 * i] for i in range(8)]
+    r: dict[str, Any] = {"prompts": prompts}
+    with cpu_engine(str(resolve_model("smollm2-135m")), _scheme_name(), kv_cache_memory_bytes=2**30) as llm:
+        r["max_num_seqs"] = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        r["kv_tokens"] = kv_tokens(llm)
+        r["together"] = _tokens(_generate(llm, prompts, max_tokens=8))
+        r["alone"] = []
+        for p in prompts:
+            llm.reset_prefix_cache()
+            r["alone"].append(_tokens(_generate(llm, [p], max_tokens=8))[0])
+    return r
+
+
+def test_vllm_defaults_serve_256_requests_at_once(default_settings_run: dict[str, Any]) -> None:
+    """At vLLM's default max_num_seqs every request runs (each holds its own tail blocks; no pool caps
+    the concurrency), with the greedy tokens it gets alone up to a near-tie, and the KV capacity vLLM
+    reports is the packed one: at least 4.3x the 16-bit cache's 46,592 tokens."""
+    r = default_settings_run
+    assert r["max_num_seqs"] == 256 and len(r["prompts"]) == 256
+    assert len({tuple(p) for p in r["prompts"]}) == 256
+    assert r["kv_tokens"] >= 4.3 * 46592, r["kv_tokens"]
+    for got, alone in zip(r["together"], r["alone"], strict=True):
+        assert len(got.tokens) == 8
+        assert _agree(got, alone) is None, _agree(got, alone)
