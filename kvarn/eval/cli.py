@@ -1,6 +1,8 @@
 """``kvarn eval``: measure schemes in decode mode on a real model; table, JSON and Pareto plot.
 
-Thin: parse arguments, make library calls (:class:`kvarn.eval.harness.Evaluator`), print.
+``--task perplexity`` (default) scores the text; ``--task needle`` retrieves a hidden pass key
+(:mod:`kvarn.eval.needle`); ``--task drift`` follows free-running generation (:mod:`kvarn.eval.drift`).
+Thin: parse arguments, make library calls (:class:`kvarn.eval.harness.Evaluator`, the tasks), print.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ from typing import Any
 import torch
 
 from kvarn.baselines import VLLM033
+from kvarn.eval import drift, needle
 from kvarn.eval.harness import BOS_CHOICES, EvalResult, Evaluator
-from kvarn.eval.report import format_table, plot_pareto, write_json
+from kvarn.eval.report import Result, format_drift_table, format_needle_table, format_table, plot_pareto, write_json
 from kvarn.hf import FP16, baselines, resolve_spec
 from kvarn.models import DEVICES, DTYPES, parse_device
 from kvarn.schemes import BUILTINS
 
 GROUPS = ("all", "kvarn", "baselines", "vllm")
+TASKS = ("perplexity", "needle", "drift")
 
 
 def expand_schemes(spec: str) -> list[str]:
@@ -58,13 +62,37 @@ def _positive(what: str, minimum: int) -> Any:
     return parse
 
 
+def _lengths(text: str) -> list[int]:
+    """``--lengths``: comma-separated token counts, each at least 64."""
+    out = []
+    for item in text.split(","):
+        try:
+            value = int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"--lengths takes comma-separated token counts (e.g. 2048,4096,8192); {item!r} is not one"
+            ) from None
+        if value < 64:
+            raise argparse.ArgumentTypeError(f"--lengths: {value} is too short; each length must be >= 64 tokens")
+        out.append(value)
+    return out
+
+
 def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``kvarn eval`` to ``kvarn``'s subcommands."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "eval",
-        help="measure schemes in decode mode on a real model (perplexity, KL, top-1, greedy agreement)",
+        help="measure schemes in decode mode on a real model (perplexity and KL, needle retrieval, drift)",
         description="The text is fed through the quantized cache in chunks, as a server fills tiles; every "
         "scheme is compared with fp16 on the same tokens.",
+    )
+    p.add_argument(
+        "--task",
+        default="perplexity",
+        choices=TASKS,
+        help="perplexity: score the text (perplexity, KL, top-1, greedy agreement; default); needle: retrieve a "
+        "5-digit pass key hidden at --depths depths of --lengths-token prompts; drift: generate --drift-tokens "
+        "greedily from --prompts prompts, tokens until the first divergence from fp16 and KL along the way",
     )
     p.add_argument("--model", default="smollm2-135m", help="model alias or local Hugging Face folder")
     p.add_argument(
@@ -79,6 +107,33 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=_positive("--chunk", 1), default=128, help="tokens per forward pass (default 128)")
     p.add_argument(
         "--greedy-tokens", type=_positive("--greedy-tokens", 0), default=256, help="greedy continuation (0: none)"
+    )
+    p.add_argument(
+        "--lengths",
+        type=_lengths,
+        default=list(needle.DEFAULT_LENGTHS),
+        help="needle: prompt lengths in tokens (default 2048,4096,8192)",
+    )
+    p.add_argument(
+        "--depths",
+        type=_positive("--depths", 1),
+        default=needle.DEFAULT_DEPTHS,
+        help=f"needle: depths per length, evenly spaced from start to end (default {needle.DEFAULT_DEPTHS})",
+    )
+    p.add_argument(
+        "--prompts", type=_positive("--prompts", 1), default=drift.DEFAULT_PROMPTS, help="drift: prompts (default 4)"
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=_positive("--prompt-tokens", 1),
+        default=drift.DEFAULT_PROMPT_TOKENS,
+        help=f"drift: tokens per prompt, from the text (default {drift.DEFAULT_PROMPT_TOKENS})",
+    )
+    p.add_argument(
+        "--drift-tokens",
+        type=_positive("--drift-tokens", 1),
+        default=drift.DEFAULT_TOKENS,
+        help=f"drift: tokens generated from each prompt (default {drift.DEFAULT_TOKENS})",
     )
     p.add_argument("--json", type=Path, help="write one JSON object per scheme to this file")
     p.add_argument("--plot", type=Path, help="write the Pareto plot (bits/element vs KL) to this PNG")
@@ -110,6 +165,10 @@ def run_eval(args: argparse.Namespace) -> int:
     for n in names:
         resolve_spec(n)  # unknown names fail before the model loads
     parse_device(args.device)  # so does cuda without CUDA
+    if args.plot and args.task != "perplexity":
+        raise ValueError(f"--plot draws bits/element vs KL of --task perplexity, not of --task {args.task}")
+    if args.task == "needle" and FP16 not in names:
+        names.insert(0, FP16)  # the 16-bit rate belongs beside every other
     text = None
     if args.text is not None:
         if not args.text.is_file():
@@ -117,45 +176,65 @@ def run_eval(args: argparse.Namespace) -> int:
         text = args.text.read_text(encoding="utf-8")
     if args.threads:
         torch.set_num_threads(args.threads)
+    tokens = {"perplexity": args.tokens, "needle": max(args.lengths), "drift": 10**9}[args.task]
     ev = Evaluator(
         args.model,
         text,
-        tokens=args.tokens,
+        tokens=tokens,
         chunk=args.chunk,
         greedy_tokens=args.greedy_tokens,
         device=args.device,
         dtype=args.dtype,
         bos=args.bos,
     )
-    if ev.tokens < args.tokens:
+    if args.task == "perplexity" and ev.tokens < args.tokens:
         print(f"kvarn eval: note: the text has only {ev.tokens} tokens; evaluating all of them", file=sys.stderr)
-    meta = {
+    meta: dict[str, Any] = {
+        "task": args.task,
         "model": args.model,
         "text": str(args.text) if args.text else "gpl-3 + apache-2.0 (bundled)",
         "text_sha256": ev.text_sha256,
         "chunk": args.chunk,
-        "greedy_tokens": args.greedy_tokens,
         "device": args.device,
         "dtype": args.dtype,
         "bos": args.bos,
         "bos_prepended": ev.bos,
     }
-    done: list[EvalResult] = []
+    done: list[Result] = []
 
-    def save(r: EvalResult) -> None:  # after every scheme, so a long run keeps what it measured
+    def save(r: Result) -> None:  # after every scheme, so a long run keeps what it measured
         done.append(r)
         if args.json:
             write_json(done, args.json, meta)
 
-    results = ev.evaluate_all(names, progress=not args.no_progress, on_result=save)
-    print(
-        f"{args.model}, {ev.tokens} tokens, chunk {args.chunk}, greedy {args.greedy_tokens} (decode mode; "
-        f"{args.dtype} on {args.device}; BOS {'prepended' if ev.bos else 'not prepended'}, --bos {args.bos})"
-    )
-    print(format_table(results, markdown=args.markdown))
-    if args.plot:
-        plot_pareto(results, args.plot, title=f"{args.model}, {ev.tokens} tokens, decode mode (chunk {args.chunk})")
-        print(f"plot: {args.plot}")
+    progress = not args.no_progress
+    where = f"{args.dtype} on {args.device}; BOS {'prepended' if ev.bos else 'not prepended'}, --bos {args.bos}"
+    if args.task == "needle":
+        task = needle.NeedleTask(ev, args.lengths, args.depths)
+        found = task.evaluate_all(names, progress=progress, on_result=save)
+        print(
+            f"{args.model}, needle: pass key at {len(task.depths)} depths of {', '.join(map(str, task.lengths))}-token "
+            f"prompts, chunk {args.chunk} (decode mode; {where})"
+        )
+        print(format_needle_table(found, markdown=args.markdown))
+    elif args.task == "drift":
+        dt = drift.DriftTask(ev, args.prompts, args.prompt_tokens, args.drift_tokens)
+        runs = dt.evaluate_all(names, progress=progress, on_result=save)
+        print(
+            f"{args.model}, drift: {args.drift_tokens} greedy tokens after each of {args.prompts} prompts of "
+            f"{args.prompt_tokens} tokens, chunk {args.chunk} (decode mode; {where})"
+        )
+        print(format_drift_table(runs, markdown=args.markdown))
+    else:
+        meta["greedy_tokens"] = args.greedy_tokens
+        results: list[EvalResult] = ev.evaluate_all(names, progress=progress, on_result=save)
+        print(
+            f"{args.model}, {ev.tokens} tokens, chunk {args.chunk}, greedy {args.greedy_tokens} (decode mode; {where})"
+        )
+        print(format_table(results, markdown=args.markdown))
+        if args.plot:
+            plot_pareto(results, args.plot, title=f"{args.model}, {ev.tokens} tokens, decode mode (chunk {args.chunk})")
+            print(f"plot: {args.plot}")
     if args.json:
         print(f"json: {args.json}")
     return 0

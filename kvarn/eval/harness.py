@@ -151,8 +151,14 @@ class Evaluator:
         self._ref: _Reference | None = None
 
     # ---- validation ----------------------------------------------------------------------------
-    def check(self, scheme: str | Scheme | BaselineLike, max_tokens: int | None = None) -> Spec:
-        """Resolve ``scheme`` and check it can be measured on the text; returns the resolved spec.
+    def check(
+        self,
+        scheme: str | Scheme | BaselineLike,
+        max_tokens: int | None = None,
+        remedy: str = "Use a longer --text or more --tokens",
+    ) -> Spec:
+        """Resolve ``scheme`` and check it can be measured on the text (or on sequences of
+        ``max_tokens``); returns the resolved spec. ``remedy`` ends the too-short message.
 
         Raises:
             UnknownSchemeError: unknown name (lists the valid ones).
@@ -174,7 +180,7 @@ class Evaluator:
             raise ValueError(
                 f"the text has {n} tokens, too short for {_name(scheme)}: nothing quantized would be read "
                 f"(one tile or commit is {need} tokens; with chunk {self.chunk} the first position reading it is "
-                f"{first}). Use a longer --text or more --tokens"
+                f"{first}). {remedy}"
             )
         return spec
 
@@ -187,29 +193,60 @@ class Evaluator:
 
     # ---- running the model -----------------------------------------------------------------------
     @torch.inference_mode()
-    def _chunks(self, cache: KVarNCache, n: int, bar: Any) -> Iterator[tuple[int, torch.Tensor]]:
-        """Feed the first ``n`` tokens in chunks; yield ``(start, log-probs [L, vocab] float32 on CPU)``."""
-        for start in range(0, n, self.chunk):
-            ids = self.ids[:, start : min(n, start + self.chunk)].to(self.device)
-            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+    def feed(
+        self, cache: KVarNCache, ids: torch.Tensor, bar: Any, *, start: int = 0, last_only: bool = False
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Feed ``ids[:, start:]`` (``[1, n]`` int64, CPU) through ``cache`` in chunks of :attr:`chunk`.
+
+        Chunks start at multiples of :attr:`chunk` counted from ``start`` (0, or where a copy of a
+        cache that was fed the same ``ids[:, :start]`` left off). Yields ``(chunk start, log-probs
+        [L, vocab] float32 on CPU)``: every position of the chunk, or only its last with
+        ``last_only`` (the model then skips its output layer for the others).
+        """
+        n = ids.shape[1]
+        for pos in range(start, n, self.chunk):
+            x = ids[:, pos : min(n, pos + self.chunk)].to(self.device)
+            logits = self.model(
+                input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1 if last_only else 0
+            ).logits
             bar.update(1)
-            yield start, logits[0].float().log_softmax(-1).cpu()
+            yield pos, logits[0].float().log_softmax(-1).cpu()
+
+    def _chunks(self, cache: KVarNCache, n: int, bar: Any) -> Iterator[tuple[int, torch.Tensor]]:
+        """Feed the first ``n`` tokens of the text; yield ``(start, log-probs [L, vocab] float32 on CPU)``."""
+        return self.feed(cache, self.ids[:, :n], bar)
 
     @torch.inference_mode()
-    def _greedy(
-        self, cache: KVarNCache, last: torch.Tensor, steps: int, bar: Any, ref: Sequence[int] | None = None
+    def greedy(
+        self,
+        cache: KVarNCache,
+        last: torch.Tensor,
+        steps: int,
+        bar: Any,
+        ref: Sequence[int] | None = None,
+        logps: list[torch.Tensor] | None = None,
     ) -> list[int]:
-        """Greedy continuation after the cache's text; stops at the first token differing from ``ref``."""
+        """Greedy continuation after what ``cache`` holds, one token per forward pass (decode mode).
+
+        Args:
+            last: ``[vocab]`` log-probs after the cache's last token (the first token's distribution).
+            steps: tokens to generate.
+            ref: stop at the first token that differs from ``ref`` (that token included).
+            logps: if given, each generated token's distribution (``[vocab]`` float32 log-probs,
+                ``last`` first) is appended to it.
+        """
         out: list[int] = []
-        nxt = int(last.argmax())
+        lp = last
         for i in range(steps):
-            out.append(nxt)
+            out.append(int(lp.argmax()))
+            if logps is not None:
+                logps.append(lp)
             bar.update(1)
-            if (ref is not None and nxt != ref[i]) or i + 1 == steps:
+            if (ref is not None and out[-1] != ref[i]) or i + 1 == steps:
                 break
-            ids = torch.tensor([[nxt]], device=self.device)
+            ids = torch.tensor([[out[-1]]], device=self.device)
             logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
-            nxt = int(logits[0, -1].argmax())
+            lp = logits[0, -1].float().log_softmax(-1).cpu() if logps is not None else logits[0, -1]
         return out
 
     def _bar(self, desc: str, total: int, progress: bool) -> Any:
@@ -247,7 +284,7 @@ class Evaluator:
                     for _, lp in self._chunks(cache, n, bar):
                         last = lp[-1]
             with self._bar("fp16 greedy", self.greedy_tokens, progress) as bar:
-                ref.greedy[n] = self._greedy(cache, last, self.greedy_tokens, bar)
+                ref.greedy[n] = self.greedy(cache, last, self.greedy_tokens, bar)
             if n == self.tokens:
                 ref.cache = ref.last = None  # its continuation is known: free the fp16 cache
         return ref.greedy[n]
@@ -295,7 +332,7 @@ class Evaluator:
             bits = cache.bits_per_element()
             agree = None
             if ref_greedy is not None:
-                agree = leading_matches(self._greedy(cache, last, g, bar, ref_greedy), ref_greedy)
+                agree = leading_matches(self.greedy(cache, last, g, bar, ref_greedy), ref_greedy)
         ppl_ci, kl_ci = sums.intervals(block=self.chunk)
         return EvalResult(
             scheme=_name(scheme),

@@ -1,4 +1,4 @@
-"""Reporting evaluation results: a text table, JSON, and the Pareto plot (bits/element vs KL)."""
+"""Reporting evaluation results: text tables (perplexity, needle, drift), JSON, and the Pareto plot."""
 
 from __future__ import annotations
 
@@ -7,8 +7,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvarn.eval.drift import DriftResult
 from kvarn.eval.harness import EvalResult
+from kvarn.eval.needle import NeedleResult
 from kvarn.hf import FP16
+
+Result = EvalResult | NeedleResult | DriftResult
 
 
 def pareto_front(results: Sequence[EvalResult]) -> set[str]:
@@ -46,6 +50,41 @@ def format_table(results: Sequence[EvalResult], markdown: bool = False) -> str:
                 f"{r.seconds:.1f}",
             ]
         )
+    return _render(head, rows, markdown)
+
+
+def format_needle_table(results: Sequence[NeedleResult], markdown: bool = False) -> str:
+    """A table, one row per result: keys retrieved out of the depths at each length."""
+    lengths = sorted({n for r in results for n in r.lengths})
+    head = ["scheme", "bits/elem", *(f"{n} tokens" for n in lengths), "seconds"]
+    rows = []
+    for r in results:
+        found = dict(zip(r.lengths, r.retrieved, strict=True))
+        cells = [f"{sum(found[n])}/{len(found[n])}" if n in found else "-" for n in lengths]
+        rows.append([r.scheme, f"{r.bits_per_element:.3f}", *cells, f"{r.seconds:.1f}"])
+    return _render(head, rows, markdown)
+
+
+def format_drift_table(results: Sequence[DriftResult], markdown: bool = False) -> str:
+    """A table, one row per result: tokens before the first divergence from fp16 (mean and per
+    prompt) and the mean KL along the scheme's own text."""
+    head = ["scheme", "bits/elem", "divergence", "per prompt", "KL", "KL per prompt", "seconds"]
+    rows = [
+        [
+            r.scheme,
+            f"{r.bits_per_element:.3f}",
+            f"{r.mean_divergence:.1f}",
+            " ".join(str(d) for d in r.divergence),
+            f"{r.mean_kl:.4f}",
+            " ".join(f"{k:.4f}" for k in r.kl),
+            f"{r.seconds:.1f}",
+        ]
+        for r in results
+    ]
+    return _render(head, rows, markdown)
+
+
+def _render(head: list[str], rows: list[list[str]], markdown: bool) -> str:
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -55,8 +94,8 @@ def format_table(results: Sequence[EvalResult], markdown: bool = False) -> str:
     return "\n".join(fmt.format(*row) for row in [head, *rows])
 
 
-def write_json(results: Sequence[EvalResult], path: str | Path, meta: dict[str, Any] | None = None) -> None:
-    """Write a JSON list with one object per scheme: the result's fields plus ``meta`` (model, chunk...)."""
+def write_json(results: Sequence[Result], path: str | Path, meta: dict[str, Any] | None = None) -> None:
+    """Write a JSON list with one object per scheme: the result's fields plus ``meta`` (model, task, chunk...)."""
     rows = [{**r.to_dict(), **(meta or {})} for r in results]
     Path(path).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
 
