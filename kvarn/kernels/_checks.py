@@ -12,6 +12,7 @@ from kvarn.codec.rotation import rotation_matrix
 
 if TYPE_CHECKING:
     from kvarn.kernels.api import PagedContext
+    from kvarn.schemes.scheme import Scheme
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -41,6 +42,77 @@ def check_tensor(
         raise KernelArgumentError(f"{name} is on {t.device}, expected {device} (all kernel tensors on one device)")
     if inner_contiguous and t.numel() > 0 and t.stride(-1) != 1:
         raise KernelArgumentError(f"{name} must have a contiguous last axis (stride 1), got strides {t.stride()}")
+
+
+def check_scheme(scheme: Scheme, head_dim: int) -> int:
+    """Check that ``scheme`` has no per-layer overrides and that its codec takes ``head_dim``;
+    returns the bytes of one tile record."""
+    if scheme.overrides:
+        raise KernelArgumentError(
+            f"scheme {scheme.name} has per-layer overrides; pass scheme.for_layer(layer) (a scheme without overrides)"
+        )
+    return scheme.tile_bytes(head_dim)  # raises on a head_dim the codec does not support
+
+
+def check_store(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    scheme: Scheme,
+    device: torch.device,
+    *,
+    any_strides: bool = False,
+) -> tuple[int, int, int, int]:
+    """Check the arguments of ``store_tiles``: ``keys``/``values`` ``[N, H, group_size, D]`` of one
+    float dtype (a contiguous last axis unless ``any_strides``), ``cache`` ``[blocks, H, tile_bytes]``
+    uint8, ``block_ids`` ``[N]`` int32/int64, ``scheme`` without overrides; returns ``(N, H, T, D)``."""
+    if keys.dim() != 4:
+        raise KernelArgumentError(
+            f"keys must be [tiles, kv_heads, {scheme.group_size}, head_dim], got {list(keys.shape)}"
+        )
+    n, h, t, d = keys.shape
+    tile_bytes = check_scheme(scheme, d)
+    check_tensor("keys", keys, (n, h, scheme.group_size, d), FLOAT_DTYPES, device, not any_strides)
+    check_tensor("values", values, (n, h, t, d), (keys.dtype,), device, not any_strides)
+    check_tensor("block_ids", block_ids, (n,), INDEX_DTYPES, device)
+    check_tensor("cache", cache, (None, h, tile_bytes), (torch.uint8,), device)
+    return n, h, t, d
+
+
+def refuse_non_finite(keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Raise ``ValueError`` on inf or NaN in ``keys`` or ``values``, as the reference codec does
+    (reads a flag on the host: a device sync)."""
+    if not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
+        raise ValueError("keys or values contain inf or NaN; the codec refuses to store a poisoned tile")
+
+
+def check_query(query: torch.Tensor, device: torch.device) -> tuple[int, int, int]:
+    """Check decode's ``query`` ``[B, Hq, D]`` (float, contiguous last axis); returns ``(B, Hq, D)``."""
+    if query.dim() != 3:
+        raise KernelArgumentError(f"query must be [batch, num_q_heads, head_dim], got {list(query.shape)}")
+    bsz, hq, d = query.shape
+    check_tensor("query", query, (bsz, hq, d), FLOAT_DTYPES, device)
+    return bsz, hq, d
+
+
+def check_new_tokens(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: torch.Tensor, device: torch.device
+) -> int:
+    """Check prefill's new tokens: ``query`` ``[N, Hq, D]``, ``key`` and ``value`` ``[N, H, D]`` of
+    one float dtype, ``cu_seqlens_q`` ``[B + 1]`` int32; returns ``B``."""
+    if query.dim() != 3 or key.dim() != 3:
+        raise KernelArgumentError(
+            f"query and key must be [tokens, heads, head_dim], got {list(query.shape)}, {list(key.shape)}"
+        )
+    total, hq, d = query.shape
+    check_tensor("query", query, (total, hq, d), FLOAT_DTYPES, device)
+    check_tensor("key", key, (total, None, d), FLOAT_DTYPES, device)
+    check_tensor("value", value, tuple(key.shape), (key.dtype,), device)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, (None,), (torch.int32,), device)
+    if cu_seqlens_q.shape[0] < 1:
+        raise KernelArgumentError("cu_seqlens_q must hold at least one entry (0)")
+    return cu_seqlens_q.shape[0] - 1
 
 
 def check_rows(

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from kvarn.kernels._checks import INDEX_DTYPES, KernelArgumentError, check_rows, check_sink_given, check_tensor
+from kvarn.kernels._checks import (
+    INDEX_DTYPES,
+    KernelArgumentError,
+    check_rows,
+    check_scheme,
+    check_sink_given,
+    check_tensor,
+)
 from kvarn.kernels.api import PagedContext
 
 CPU = torch.device("cpu")
@@ -63,11 +70,7 @@ def check_context(ctx: PagedContext, bsz: int, hq: int, d: int, *, indices: bool
 
 def _check_layout(ctx: PagedContext, bsz: int, hq: int, d: int) -> None:
     scheme, cache = ctx.scheme, ctx.cache
-    if scheme.overrides:
-        raise KernelArgumentError(
-            f"scheme {scheme.name} has per-layer overrides; pass scheme.for_layer(layer) (a scheme without overrides)"
-        )
-    tile_bytes = scheme.tile_bytes(d)  # raises on a head_dim the codec does not support
+    tile_bytes = check_scheme(scheme, d)
     if cache.dim() != 3:
         raise KernelArgumentError(f"cache must be [num_blocks, num_kv_heads, tile_bytes], got {list(cache.shape)}")
     hkv = cache.shape[1]

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from kvarn.kernels._checks import FLOAT_DTYPES, KernelArgumentError, check_tensor
+from kvarn.kernels._checks import FLOAT_DTYPES, KernelArgumentError, check_new_tokens, check_query, check_tensor
 from kvarn.kernels.api import PagedContext
 from kvarn.kernels.cpu import fallback, native
 from kvarn.kernels.cpu._checks import CPU, check_context, check_indices
@@ -46,10 +46,7 @@ def decode_attention(
     """
     if impl not in IMPLS:
         raise KernelArgumentError(f"impl={impl!r} is not one of: {', '.join(IMPLS)}")
-    if query.dim() != 3:
-        raise KernelArgumentError(f"query must be [batch, num_q_heads, head_dim], got {list(query.shape)}")
-    bsz, hq, d = query.shape
-    check_tensor("query", query, (bsz, hq, d), FLOAT_DTYPES, CPU)
+    bsz, hq, d = check_query(query, CPU)
     check_context(ctx, bsz, hq, d, indices=False)
     out = _output(out, query, (bsz, hq, d))
     if not bsz:
@@ -90,18 +87,8 @@ def prefill_attention(
     Returns:
         ``[N, Hq, D]`` in ``query``'s dtype (``out`` when given).
     """
-    if query.dim() != 3 or key.dim() != 3:
-        raise KernelArgumentError(
-            f"query and key must be [tokens, heads, head_dim], got {list(query.shape)}, {list(key.shape)}"
-        )
+    bsz = check_new_tokens(query, key, value, cu_seqlens_q, CPU)
     total, hq, d = query.shape
-    check_tensor("query", query, (total, hq, d), FLOAT_DTYPES, CPU)
-    check_tensor("key", key, (total, None, d), FLOAT_DTYPES, CPU)
-    check_tensor("value", value, tuple(key.shape), (key.dtype,), CPU)
-    check_tensor("cu_seqlens_q", cu_seqlens_q, (None,), (torch.int32,), CPU)
-    bsz = cu_seqlens_q.shape[0] - 1
-    if bsz < 0:
-        raise KernelArgumentError("cu_seqlens_q must hold at least one entry (0)")
     if bsz and (int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != total or bool((cu_seqlens_q.diff() < 0).any())):
         raise KernelArgumentError(f"cu_seqlens_q must rise from 0 to {total}, got {cu_seqlens_q.tolist()}")
     if ctx.cache.dim() == 3 and key.shape[1] != ctx.cache.shape[1]:

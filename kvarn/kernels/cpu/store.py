@@ -24,7 +24,7 @@ import torch
 
 from kvarn.codec import quantize_tiles
 from kvarn.codec.rotation import rotate
-from kvarn.kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, KernelArgumentError, check_tensor, log8_table
+from kvarn.kernels._checks import KernelArgumentError, check_store, log8_table, refuse_non_finite
 from kvarn.kernels.cpu import native
 from kvarn.kernels.cpu._checks import CPU
 from kvarn.schemes.scheme import Scheme
@@ -62,35 +62,22 @@ def store_tiles(
     by one fp16 step (or log8 code) in a factor, scale or zero point, or pick a neighbouring
     Sinkhorn iterate whose error ties the reference's within float32 rounding (module doc).
     """
-    if keys.dim() != 4:
-        raise KernelArgumentError(
-            f"keys must be [tiles, kv_heads, {scheme.group_size}, head_dim], got {list(keys.shape)}"
-        )
     if impl not in IMPLS:
         raise KernelArgumentError(f"impl={impl!r} is not one of: {', '.join(IMPLS)}")
-    if scheme.overrides:
-        raise KernelArgumentError(
-            f"scheme {scheme.name} has per-layer overrides; pass scheme.for_layer(layer) (a scheme without overrides)"
-        )
-    n, h, t, d = keys.shape
-    nbytes = scheme.tile_bytes(d)  # raises on a head_dim the codec does not support
-    check_tensor("keys", keys, (n, h, scheme.group_size, d), FLOAT_DTYPES, CPU, inner_contiguous=False)
-    check_tensor("values", values, (n, h, t, d), (keys.dtype,), CPU, inner_contiguous=False)
-    check_tensor("block_ids", block_ids, (n,), INDEX_DTYPES, CPU)
-    check_tensor("cache", cache, (None, h, nbytes), (torch.uint8,), CPU)
+    n, h, t, d = check_store(keys, values, cache, block_ids, scheme, CPU, any_strides=True)
     if n == 0:
         return
     ids = block_ids.to(torch.int64).contiguous()
     if int(ids.min()) < 0 or int(ids.max()) >= cache.shape[0]:
         raise KernelArgumentError(f"block_ids must be block ids in 0..{cache.shape[0] - 1}, got {block_ids.tolist()}")
-    if check_finite and not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
-        raise ValueError("keys or values contain inf or NaN; the codec refuses to store a poisoned tile")
+    if check_finite:
+        refuse_non_finite(keys, values)
     ext = native.extension() if impl != "reference" else None
     if ext is None:
         if impl == "native":
             raise KernelArgumentError("impl='native': the native CPU library is not built (see the warning logged)")
         rec = quantize_tiles(keys.reshape(n * h, t, d), values.reshape(n * h, t, d), scheme)
-        cache[ids] = rec.view(n, h, nbytes)
+        cache[ids] = rec.view(n, h, scheme.tile_bytes(d))
         return
     # the reference's own rotation call, on the same [tiles, T, D] shape: same float32 results
     kr = rotate(keys.reshape(n * h, t, d), scheme.rotation).contiguous()

@@ -1,7 +1,7 @@
 """The Triton backend: tile store, fused paged decode attention and prefill, one source per kernel.
 
-``_store.py``, ``_decode.py`` and ``_prefill.py`` hold the ``@triton.jit`` bodies; :mod:`.ops`
-the launchers (the :class:`~kvarn.kernels.api.AttentionOps` of CUDA devices); :mod:`.configs`
+``_store.py``, ``_decode.py`` and ``_prefill.py`` hold the ``@triton.jit`` bodies (``_attend.py``
+the parts decode and prefill share); :mod:`.ops` the launchers (the :class:`~kvarn.kernels.api.AttentionOps` of CUDA devices); :mod:`.configs`
 the launch options. Importing this package imports Triton.
 """
 

@@ -1,7 +1,9 @@
 """The arguments every Triton attention launcher shares: checks of the tail and sink, and the
-kernel's positional arguments and constexprs (:func:`context_args`)."""
+kernels' ``context`` argument and its constexprs (:func:`context_args`)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -42,11 +44,41 @@ def check_staging(
 ROT_CHUNK = 16  # query rotation: channels of R per step (a [16, D] float32 slice of R at a time)
 
 
-def context_args(ctx: PagedContext, bsz: int, d: int, block_t: int) -> tuple[list[object], dict[str, object]]:
-    """Checks the tail and sink (per sequence or pools) and returns the shared kernel arguments.
+class ContextConstants(NamedTuple):
+    """The constexprs of a context, one ``tl.constexpr`` argument ``C`` of the attention kernels
+    (read as ``C.D``, ``C.ROTATE``, ...; every field is part of the compiled variant's key)."""
 
-    Positional: cache, block table, tiles, tail pool, sink pool, rotation, log8 table; keywords: the
-    scheme's constexprs. Missing sink or slot tensors are replaced by any valid pointer (unread).
+    KB: int  # key bits
+    VB: int  # value bits
+    T: int  # tokens per tile (group_size)
+    D: int  # head_dim
+    BT: int  # tile tokens per sub-block
+    PT: int  # plain (sink, tail, new) tokens per block
+    RK: int  # query channels per rotation or score chunk
+    LOG8: bool  # scales and factors stored as log8 bytes (else fp16)
+    ROTATE: bool  # the scheme rotates (the kernels attend tiles in the rotated domain)
+    HAS_SINK: bool  # a sink is passed
+    SINK_TOKENS: int  # exact copies of tile 0's first tokens (0: none, or a sink tile)
+    SCAP: int  # sink rows per slot
+    TAIL_SLOT: bool  # the tail is a pool read at tail_slot
+    SINK_SLOT: bool  # the sink is a pool read at sink_slot
+    KC: int  # byte offsets of the record's sections (kvarn.codec.tiles.layout)
+    VC: int
+    KS: int
+    KO: int
+    KF: int
+    VS: int
+    VO: int
+    VF: int
+
+
+def context_args(ctx: PagedContext, bsz: int, d: int, block_t: int) -> tuple[tuple[object, ...], ContextConstants]:
+    """Checks the tail and sink (per sequence or pools) and returns the kernels' ``context``
+    argument and its constexprs ``C``.
+
+    ``context``: ``(cache, stride_cb, stride_ch, block_table, stride_btb, num_tiles, tail, sink,
+    rotation, log8 table)`` with ``tail`` and ``sink`` as ``(k, v, stride_slot, stride_h, stride_t,
+    lens, slot)``. Missing sink or slot tensors are replaced by any valid pointer (unread).
     """
     scheme, cache, block_table, num_tiles = ctx.scheme, ctx.cache, ctx.block_table, ctx.num_tiles
     dev, t, hkv = cache.device, scheme.group_size, cache.shape[1]
@@ -65,14 +97,13 @@ def context_args(ctx: PagedContext, bsz: int, d: int, block_t: int) -> tuple[lis
     if cache.data_ptr() % 4:
         raise KernelArgumentError("cache must start on a 4-byte boundary (codes are read as int32 words)")
     lay = layout(scheme, d)
-    args: list[object] = [
-        cache, cache.stride(0), cache.stride(1), block_table, block_table.stride(0), num_tiles,
-        tail_k, tail_v, tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), tail_lens,
-        tail_slot if tail_slot is not None else tail_lens,
-        sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), sl, sink_slot if sink_slot is not None else sl,
+    tail = (tail_k, tail_v, *tail_k.stride()[:3], tail_lens, tail_slot if tail_slot is not None else tail_lens)
+    sink = (sk, sv, *sk.stride()[:3], sl, sink_slot if sink_slot is not None else sl)
+    context = (
+        cache, cache.stride(0), cache.stride(1), block_table, block_table.stride(0), num_tiles, tail, sink,
         rotation(scheme.rotation, d, dev), log8_table(dev),
-    ]  # fmt: skip
-    consts: dict[str, object] = dict(
+    )  # fmt: skip
+    consts = ContextConstants(
         KB=scheme.key_bits, VB=scheme.value_bits, T=t, D=d,
         BT=min(block_t, t), PT=32 if d <= 64 else 16, RK=ROT_CHUNK,
         LOG8=scheme.scale_dtype == "log8", ROTATE=scheme.rotation != "none",
@@ -81,4 +112,4 @@ def context_args(ctx: PagedContext, bsz: int, d: int, block_t: int) -> tuple[lis
         KC=lay.key_codes, VC=lay.value_codes, KS=lay.key_scale, KO=lay.key_offset, KF=lay.key_factor,
         VS=lay.value_scale, VO=lay.value_offset, VF=lay.value_factor,
     )  # fmt: skip
-    return args, consts
+    return context, consts

@@ -2,11 +2,11 @@
 
 The ops of :class:`~kvarn.kernels.api.AttentionOps` over a :class:`~kvarn.kernels.api.PagedContext`
 (layout and token order in :mod:`kvarn.kernels.api`); the ``@triton.jit`` bodies live in
-``_store.py``, ``_decode.py`` and ``_prefill.py``, launch options in :mod:`.configs`. Every kernel
-is specialized through ``tl.constexpr`` on the scheme (bits, group size, head_dim, rotation,
-iterations, scale storage, sink): one source for every scheme. Neither attention op synchronises
-with the host, so decode steps can be captured in CUDA graphs. Without CUDA the kernels run under
-``TRITON_INTERPRET=1`` (correctness only).
+``_store.py``, ``_decode.py`` and ``_prefill.py`` (with ``_attend.py``), launch options in
+:mod:`.configs`. Every kernel is specialized through ``tl.constexpr`` on the scheme (bits, group
+size, head_dim, rotation, iterations, scale storage, sink): one source for every scheme. Neither
+attention op synchronises with the host, so decode steps can be captured in CUDA graphs. Without
+CUDA the kernels run under ``TRITON_INTERPRET=1`` (correctness only).
 """
 
 from __future__ import annotations
@@ -17,7 +17,18 @@ import torch
 import triton
 
 from kvarn.codec.tiles import layout
-from kvarn.kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, KernelArgumentError, check_tensor, log8_table, rotation
+from kvarn.kernels._checks import (
+    FLOAT_DTYPES,
+    KernelArgumentError,
+    check_new_tokens,
+    check_query,
+    check_scheme,
+    check_store,
+    check_tensor,
+    log8_table,
+    refuse_non_finite,
+    rotation,
+)
 from kvarn.kernels.api import PagedContext
 from kvarn.kernels.triton._args import context_args
 from kvarn.kernels.triton._decode import decode_kernel, merge_kernel
@@ -35,18 +46,14 @@ from kvarn.schemes.scheme import Scheme
 __all__ = ["decode_attention", "prefill_attention", "quantize_tiles_triton", "store_tiles"]
 
 
-def _check_scheme(scheme: Scheme, head_dim: int) -> None:
-    if scheme.overrides:
-        raise KernelArgumentError(
-            f"scheme {scheme.name} has per-layer overrides; pass scheme.for_layer(layer) (a scheme without overrides)"
-        )
-    scheme.tile_bytes(head_dim)  # raises on a head_dim the codec does not support
-
-
 def _check_cache(cache: torch.Tensor, scheme: Scheme, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
+    check_tensor("cache", cache, (None, num_kv_heads, scheme.tile_bytes(head_dim)), (torch.uint8,), device)
+    _check_apart(cache, num_kv_heads)
+
+
+def _check_apart(cache: torch.Tensor, num_kv_heads: int) -> None:
     """Records may lie in wider pages (``pages[:, :, :tile_bytes]`` of a mixed-bit preset's layer):
     the kernels take the block and head strides; records must not overlap."""
-    check_tensor("cache", cache, (None, num_kv_heads, scheme.tile_bytes(head_dim)), (torch.uint8,), device)
     if cache.stride(1) < cache.shape[2] or cache.stride(0) < cache.stride(1) * num_kv_heads:
         raise KernelArgumentError(
             f"cache records overlap: strides {cache.stride()} for shape {list(cache.shape)} (each head's record "
@@ -81,21 +88,13 @@ def store_tiles(
     Allocates a float32 workspace of ``N * num_kv_heads * (T * D + 10 * (T + D))`` elements (74 KiB
     per tile at 128 x 128; from the caching allocator, so also inside a CUDA graph capture).
     """
-    if keys.dim() != 4:
-        raise KernelArgumentError(
-            f"keys must be [tiles, kv_heads, {scheme.group_size}, head_dim], got {list(keys.shape)}"
-        )
-    n, h, t, d = keys.shape
-    _check_scheme(scheme, d)
     dev = keys.device
-    check_tensor("keys", keys, (n, h, scheme.group_size, d), FLOAT_DTYPES, dev)
-    check_tensor("values", values, (n, h, t, d), (keys.dtype,), dev)
-    check_tensor("block_ids", block_ids, (n,), INDEX_DTYPES, dev)
-    _check_cache(cache, scheme, h, d, dev)
+    n, h, t, d = check_store(keys, values, cache, block_ids, scheme, dev)
+    _check_apart(cache, h)
     if n == 0:
         return
-    if check_finite and not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
-        raise ValueError("keys or values contain inf or NaN; the codec refuses to store a poisoned tile")
+    if check_finite:
+        refuse_non_finite(keys, values)
     lay = layout(scheme, d)
     rot = rotation(scheme.rotation, d, dev)
     lut = log8_table(dev)
@@ -156,7 +155,7 @@ def quantize_tiles_triton(keys: torch.Tensor, values: torch.Tensor, scheme: Sche
     if keys.dim() != 3:
         raise KernelArgumentError(f"keys must be [tiles, {scheme.group_size}, head_dim], got {list(keys.shape)}")
     n, _, d = keys.shape
-    _check_scheme(scheme, d)
+    check_scheme(scheme, d)
     records = torch.empty(n, 1, scheme.tile_bytes(d), dtype=torch.uint8, device=keys.device)
     ids = torch.arange(n, dtype=torch.int32, device=keys.device)
     store_tiles(keys.unsqueeze(1), values.unsqueeze(1), records, ids, scheme)
@@ -201,13 +200,10 @@ def decode_attention(
         ``[B, num_q_heads, D]`` in ``query``'s dtype (``out`` when given). A sequence with no
         token at all gets zeros.
     """
-    if query.dim() != 3:
-        raise KernelArgumentError(f"query must be [batch, num_q_heads, head_dim], got {list(query.shape)}")
-    bsz, hq, d = query.shape
-    scheme, cache, block_table = ctx.scheme, ctx.cache, ctx.block_table
-    _check_scheme(scheme, d)
     dev = query.device
-    check_tensor("query", query, (bsz, hq, d), FLOAT_DTYPES, dev)
+    bsz, hq, d = check_query(query, dev)
+    scheme, cache, block_table = ctx.scheme, ctx.cache, ctx.block_table
+    check_scheme(scheme, d)
     if cache.dim() != 3:
         raise KernelArgumentError(f"cache must be [num_blocks, num_kv_heads, tile_bytes], got {list(cache.shape)}")
     hkv = cache.shape[1]
@@ -218,7 +214,7 @@ def decode_attention(
     check_tensor("num_tiles", ctx.num_tiles, (bsz,), (torch.int32,), dev)
     group = hq // hkv
     cfg = config or decode_configs(scheme, d, group)[0]
-    args, consts = context_args(ctx, bsz, d, cfg.block_n)
+    context, consts = context_args(ctx, bsz, d, cfg.block_n)
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     check_tensor("out", out, (bsz, hq, d), FLOAT_DTYPES, dev)
@@ -234,9 +230,9 @@ def decode_attention(
     else:
         part = ml = out  # unused
     decode_kernel[(bsz, hkv, splits)](
-        query, query.stride(0), query.stride(1), *args, out, out.stride(0), out.stride(1), part, ml,
+        query, query.stride(0), query.stride(1), context, out, out.stride(0), out.stride(1), part, ml,
         ctx.sm_scale(d) * math.log2(math.e),
-        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), S=splits, PARTIAL=partial, **consts,
+        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), S=splits, PARTIAL=partial, C=consts,
         **cfg.launch_kwargs(),
     )  # fmt: skip
     if partial:
@@ -278,30 +274,21 @@ def prefill_attention(
     Returns:
         ``[total_q, num_q_heads, D]`` in ``query``'s dtype.
     """
-    if query.dim() != 3 or key.dim() != 3:
-        raise KernelArgumentError(
-            f"query and key must be [tokens, heads, head_dim], got {list(query.shape)}, {list(key.shape)}"
-        )
+    dev = query.device
+    bsz = check_new_tokens(query, key, value, cu_seqlens_q, dev)
     total, hq, d = query.shape
+    hkv = key.shape[1]
     scheme, cache = ctx.scheme, ctx.cache
-    _check_scheme(scheme, d)
-    dev, hkv = query.device, key.shape[1]
+    check_scheme(scheme, d)
     if hq % hkv:
         raise KernelArgumentError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
-    check_tensor("query", query, (total, hq, d), FLOAT_DTYPES, dev)
-    check_tensor("key", key, (total, hkv, d), FLOAT_DTYPES, dev)
-    check_tensor("value", value, (total, hkv, d), (key.dtype,), dev)
     if key.stride() != value.stride():
         raise KernelArgumentError(f"key and value must have the same strides, got {key.stride()} and {value.stride()}")
-    check_tensor("cu_seqlens_q", cu_seqlens_q, (None,), (torch.int32,), dev)
-    bsz = cu_seqlens_q.shape[0] - 1
-    if bsz < 0:
-        raise KernelArgumentError("cu_seqlens_q must hold at least one entry (0)")
     _check_cache(cache, scheme, hkv, d, dev)
     check_tensor("block_table", ctx.block_table, (bsz, None), (torch.int32,), dev)
     check_tensor("num_tiles", ctx.num_tiles, (bsz,), (torch.int32,), dev)
     cfg = config or prefill_configs(d)[0]
-    args, consts = context_args(ctx, bsz, d, cfg.block_n)
+    context, consts = context_args(ctx, bsz, d, cfg.block_n)
     if out is None:
         out = torch.empty(total, hq, d, dtype=query.dtype, device=dev)
     check_tensor("out", out, (total, hq, d), FLOAT_DTYPES, dev)
@@ -321,9 +308,9 @@ def prefill_attention(
         part = ml = out  # unused
     prefill_kernel[(triton.cdiv(q_max, block_m // gp), bsz, hkv)](
         query, query.stride(0), query.stride(1), key, value, key.stride(0), key.stride(1), cu_seqlens_q,
-        *args, out, out.stride(0), out.stride(1), part, ml,
+        context, out, out.stride(0), out.stride(1), part, ml,
         ctx.sm_scale(d) * math.log2(math.e),
-        G=group, GP=gp, BLOCK_M=block_m, **consts, **cfg.launch_kwargs(),
+        G=group, GP=gp, BLOCK_M=block_m, C=consts, **cfg.launch_kwargs(),
     )  # fmt: skip
     if rotate:
         _merge(part, ml, out, scheme, hq)
