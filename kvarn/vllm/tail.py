@@ -216,6 +216,11 @@ def plan_tails(
         q0, q_len = query_start[i], query_start[i + 1] - query_start[i]
         full = block_rows[i]
         p = RequestPlan(q0, q_len, seq_len - q_len, full[: (seq_len + t - 1) // t])
+        if q_len and len(full) < len(p.row) + layout.blocks:
+            raise RuntimeError(
+                f"kvarn: request {i}'s block table has {len(full)} entries; its {len(p.row)} tiles and "
+                f"{layout.blocks} tail blocks need more (vLLM did not size it by kvarn's TailSpec)"
+            )
         p.dummy = q_len == 0 or not p.row or 0 in p.row
         plans.append(p)
         if p.dummy:

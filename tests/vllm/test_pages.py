@@ -207,7 +207,7 @@ def test_builders_of_one_model_share_one_planner(tmp_path: Any) -> None:
             num_actual_tokens=n,
             max_query_len=n,
             max_seq_len=n,
-            block_table_tensor=torch.tensor([[3, 5]], dtype=torch.int32),
+            block_table_tensor=torch.arange(3, 19, dtype=torch.int32)[None],  # tiles, then tail blocks
             slot_mapping=torch.zeros(n, dtype=torch.long),
         )
 

@@ -154,3 +154,9 @@ def test_kv_connectors_are_refused_at_start_up(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match=r"cannot be served with a KV connector .*16-bit rows of its partial tile"):
         EngineArgs(model=model, kv_cache_dtype="kvarn_k4v2_g128", kv_transfer_config=transfer).create_engine_config()
     EngineArgs(model=model, kv_transfer_config=transfer).create_engine_config()  # other dtypes: vLLM's business
+
+
+def test_a_block_row_without_tail_blocks_is_an_error_not_garbage() -> None:
+    layout = tail_layout(Scheme.from_name("kvarn_k4v2_g128"), 64, 30, torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"2 tiles and 5 tail blocks need more .*TailSpec"):
+        plan_tails([0, 1], [200], [[3, 5, 7]], layout, torch.device("cpu"))
