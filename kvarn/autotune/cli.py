@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvarn.autotune.budget import BudgetError, parse_budget
-from kvarn.autotune.config import TuneConfig, derived_name
+from kvarn.autotune.config import STRATEGIES, TuneConfig, derived_name
 from kvarn.autotune.report import check_writable, plot_front, summary_table, to_json, write_presets
 from kvarn.autotune.result import Outcome
 from kvarn.autotune.search import resume_hint
@@ -39,7 +39,7 @@ MAX_PPL_BUDGET = 100.0  # percent: a perplexity budget is an increase of at most
 _NEGATIVE_BUDGET_RE = re.compile(r"\s*(?:(?:ppl|kl|greedy)\s*=\s*)?-", re.IGNORECASE)
 # TuneConfig fields taken from the flag of the same name unchanged (the rest are parsed in _config)
 _FLAGS_AS_GIVEN = (
-    "model", "tokens", "holdout", "split", "trials", "timeout", "seed", "storage", "study_name", "pareto",
+    "model", "tokens", "holdout", "split", "strategy", "trials", "timeout", "seed", "storage", "study_name", "pareto",
     "allow_kv_inversion", "allow_fp16_layers", "context", "max_protect", "prune_tokens", "prune_slack",
     "sensitivity_tokens", "cache_dir", "confirm", "device", "dtype", "feasibility",
 )  # fmt: skip
@@ -76,7 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="interleaved (default): alternate paragraphs go to calibration and held-out, so both sample the "
         "whole text; contiguous: the first part calibrates, the last part is held out",
     )
-    p.add_argument("--trials", type=int, default=30, help="trials in the study, resumed ones included")
+    p.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default=STRATEGIES[0],
+        help="allocate (default): bisect per-layer mixes of two bit pairs (k4v2/k4v3, k4v3/k4v4; fp16 or log8 "
+        "scales) over the layers ranked by sensitivity; tpe: Optuna's TPE over bits, tiles, rotation, scales, "
+        "sinks and layer tiers",
+    )
+    p.add_argument(
+        "--trials",
+        type=int,
+        default=30,
+        help="measured trials at most (resumed ones included); pruned-unmeasured trials are free",
+    )
     p.add_argument("--timeout", type=float, help="stop starting new trials after this many seconds")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (same seed, same result)")
     p.add_argument("--storage", help="Optuna storage URL, e.g. sqlite:///study.db (resumable)")
@@ -109,7 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-per-layer", action="store_true", help="one precision for every layer")
     p.add_argument("--max-protect", type=int, default=4, help="most sensitive layers that may get more bits")
     p.add_argument("--group-sizes", default="32,64,128,256", help="comma list of tile sizes to search")
-    p.add_argument("--prune-tokens", type=int, default=-1, help="tokens of the partial evaluation (-1: half; 0: off)")
+    p.add_argument(
+        "--prune-tokens",
+        type=int,
+        default=-1,
+        help="tokens of the partial evaluation (-1: half with tpe, off with allocate; 0: off)",
+    )
     p.add_argument(
         "--prune-slack", type=float, default=2.0, help="prune when the partial metric exceeds slack x budget"
     )
@@ -122,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
         "interval does; point: when its point estimate does (holds less often on unseen text)",
     )
     p.add_argument("--confirm", type=int, default=3, help="candidates tried on held-out text, fewest bits first")
+    p.add_argument(
+        "--no-compare-builtin",
+        action="store_true",
+        help="skip measuring the built-in presets nearest the winner's bits on held-out text",
+    )
     p.add_argument("--compare", default="", help="comma list of presets/baselines to measure for the plot")
     p.add_argument("--cache-dir", type=Path, help="sensitivity cache (default <kvarn cache>/sensitivity)")
     p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda or cuda:<n>")
@@ -191,6 +214,7 @@ def _config(args: argparse.Namespace) -> TuneConfig | str:
         per_layer=not args.no_per_layer,
         group_sizes=groups,
         compare=tuple(n.strip() for n in args.compare.split(",") if n.strip()),
+        compare_builtin=not args.no_compare_builtin,
         progress=not args.quiet,
         **{name: getattr(args, name) for name in _FLAGS_AS_GIVEN},
     )

@@ -10,6 +10,8 @@ from pathlib import Path
 from kvarn.autotune.budget import Budget
 from kvarn.autotune.space import SINKS
 
+STRATEGIES: tuple[str, ...] = ("allocate", "tpe")  # see kvarn.autotune.search
+
 
 @dataclass
 class TuneConfig:
@@ -26,7 +28,8 @@ class TuneConfig:
     tokens: int = 4096
     holdout: float = 0.5  # fraction of the text kept for confirmation
     split: str = "interleaved"  # how the held-out part is cut from the text (see split_text)
-    trials: int = 30
+    strategy: str = "allocate"  # allocate: bisect per-layer mixes of two bit pairs; tpe: Optuna's TPE
+    trials: int = 30  # evaluated trials at most
     timeout: float | None = None
     seed: int = 0
     storage: str | None = None  # an Optuna storage URL (e.g. sqlite:///kvarn-tune.db); None: in memory
@@ -40,18 +43,24 @@ class TuneConfig:
     max_protect: int = 4
     group_sizes: tuple[int, ...] = (32, 64, 128, 256)
     min_tiles: int = 4  # a group size needs this many full tiles in the evaluated tokens
-    prune_tokens: int | None = -1  # -1: tokens // 2; 0 or None: no partial evaluation
+    prune_tokens: int | None = -1  # -1: tokens // 2 with tpe, none with allocate; 0 or None: none
     prune_slack: float = 2.0
     sensitivity_tokens: int = 256  # 0: no sensitivity pass (layers ranked by index)
     sensitivity_probe: str = "k2v2"
     cache_dir: Path | None = None
     confirm: int = 3  # feasible candidates tried on held-out text, fewest bits first
     compare: tuple[str, ...] = ()  # presets / baselines measured on held-out text for the plot
+    compare_builtin: bool = True  # also measure the built-in presets nearest the winner's bits (held-out)
     chunk: int = 128
     progress: bool = True
     feasibility: str = "bound"  # "bound": upper confidence bound within budget (default); "point": estimate
     device: str = "cpu"  # where the model runs: cpu, cuda, cuda:<n>
     dtype: str = "float32"  # the model's dtype: float32, bfloat16, float16
+
+    @property
+    def allocates(self) -> bool:
+        """Whether the search is the per-layer allocation (``allocate``, which needs per-layer search)."""
+        return self.strategy == "allocate" and self.per_layer
 
     @property
     def bits_context(self) -> int:
@@ -60,7 +69,13 @@ class TuneConfig:
 
     def resolved_prune_tokens(self) -> int | None:
         """Tokens of the partial evaluation; None when too short to read anything quantized
-        (decode mode reads a chunk's own tokens unquantized, so a prefix needs > 1 chunk)."""
+        (decode mode reads a chunk's own tokens unquantized, so a prefix needs > 1 chunk).
+
+        By default (-1) half the tokens with TPE, and none with the allocation search: its points
+        lie near the budget, where a partial evaluation rarely prunes and adds half a measurement.
+        """
+        if self.prune_tokens == -1 and self.allocates:
+            return None
         n = self.tokens // 2 if self.prune_tokens == -1 else self.prune_tokens
         return n if n and self.chunk < n < self.tokens else None
 

@@ -2,11 +2,14 @@
 
 Candidates are tried fewest bits first; the first whose held-out metric meets the budget wins.
 With ``--pareto`` every front point is measured too, and ``--compare`` names (presets, baselines)
-are measured on the same text as references for the table and the plot.
+are measured on the same text as references for the table and the plot, as are the built-in
+presets nearest the winner's bits (:func:`nearest_builtins`), so the report can say what tuning
+bought over them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,3 +62,14 @@ def reference(held_ev: EvaluatorLike, name: str, budget: Budget, progress: bool 
         "metric": metric_of(budget, m),
         "interval": interval_of(budget, m),
     }
+
+
+def nearest_builtins(bits: float, bits_of: Callable[[Scheme], float]) -> list[str]:
+    """The built-in presets nearest ``bits`` per element from below and from above (priced by
+    ``bits_of``), cheaper first; one of them when ``bits`` is outside their range."""
+    from kvarn.schemes import BUILTINS
+
+    priced = sorted((bits_of(s), name) for name, s in BUILTINS.items())
+    below = [name for b, name in priced if b < bits][-1:]
+    above = [name for b, name in priced if b >= bits][:1]
+    return below + above

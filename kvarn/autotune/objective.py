@@ -32,12 +32,18 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from kvarn.autotune.budget import Budget, Measurement
-from kvarn.autotune.space import SearchSpace
 from kvarn.schemes import Scheme
 
 CONSTRAINT = "budget"
 MEASURE_KEYS = ("ppl", "delta_ppl_pct", "kl", "top1_agreement", "greedy_agreement_tokens", "tokens", "seconds")
 INTERVAL_KEYS = ("delta_ppl_pct_ci", "kl_ci")  # [low, high] bootstrap intervals, when measured
+
+
+class SpaceLike(Protocol):
+    """What the objective needs of a search space: one trial -> one valid scheme
+    (:class:`~kvarn.autotune.space.SearchSpace`, :class:`~kvarn.autotune.allocate.AllocationSpace`)."""
+
+    def sample(self, trial: optuna.Trial) -> Scheme: ...
 
 
 class EvaluatorLike(Protocol):
@@ -109,7 +115,7 @@ class Objective:
         progress: evaluator progress bars.
     """
 
-    space: SearchSpace
+    space: SpaceLike
     budget: Budget
     evaluator: EvaluatorLike
     head_dim: int
@@ -170,12 +176,15 @@ class Objective:
             trial.set_constraint(CONSTRAINT, self.budget.violation(value))
             raise optuna.TrialPruned(f"{self.budget.metric}={value:.4g} on {partial['tokens']} tokens")
 
+    def bits(self, scheme: Scheme) -> float:
+        """The value a trial of ``scheme`` returns: bits per element, overrides and sink included."""
+        if self.bits_of is not None:
+            return self.bits_of(scheme)
+        return scheme.bits_per_element(self.head_dim, self.num_layers, self.context)
+
     def __call__(self, trial: optuna.Trial) -> float:
         scheme = self.space.sample(trial)
-        if self.bits_of is not None:
-            bits = self.bits_of(scheme)
-        else:
-            bits = scheme.bits_per_element(self.head_dim, self.num_layers, self.context)
+        bits = self.bits(scheme)
         trial.set_user_attr("scheme", scheme.name)
         trial.set_user_attr("bits", bits)
         if not self.pareto:

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvarn.autotune.budget import Budget
 from kvarn.autotune.result import Candidate, TuneResult, fmt_ci
 from kvarn.schemes import Preset, Scheme, save_preset
 
@@ -119,12 +120,43 @@ def summary_table(res: TuneResult) -> str:
             f"{'reference':<10} {r['bits']:>8.4f} {16 / r['bits']:>7.2f} {'-':>9} {'':>18} {_fmt(r['metric']):>9} "
             f"{ci:>18}  {r['name']}"
         )
+    versus = builtin_comparison(res)
+    if versus:
+        lines.append(versus)
     if res.config.get("feasibility") == "bound":
         lines.append("feasible on calibration = the upper end of the 90% CI (chunk bootstrap) within the budget")
     if res.extra:
         lines.append("time (s): " + ", ".join(f"{k.removesuffix('_seconds')} {v}" for k, v in res.extra.items()))
     lines.append(("OK: " if res.ok else "FAILED: ") + res.message)
     return "\n".join(lines)
+
+
+def builtin_comparison(res: TuneResult) -> str | None:
+    """One line: the winner against the built-in presets measured beside it on held-out text
+    (references marked ``builtin``), and what it saves over the cheapest one within the budget."""
+    w = res.winner
+    refs = sorted((r for r in res.references if r.get("builtin")), key=lambda r: r["bits"])
+    if w is None or w.heldout_metric is None or not refs:
+        return None
+    b = res.config["budget"]
+    budget = Budget(b["metric"], b["limit"], b["text"])
+    parts = [
+        f"{r['name']} {r['bits']:.2f} bits {budget.fmt(r['metric'])} ({'within' if budget.met(r['metric']) else 'over'})"
+        for r in refs
+    ]
+    line = f"vs built-in presets (held-out, budget {budget.text}): tuned {w.bits:.2f} bits {budget.fmt(w.heldout_metric)}; "
+    line += "; ".join(parts)
+    within = [r for r in refs if budget.met(r["metric"])]
+    if within:
+        r = within[0]
+        saved = r["bits"] - w.bits
+        if saved > 0:
+            line += f" -> {saved:.2f} bits/element ({100 * saved / r['bits']:.1f}%) fewer than {r['name']}"
+        else:
+            line += f" -> {-saved:.2f} bits/element more than {r['name']}, which also meets the budget here"
+    else:
+        line += " -> no nearby built-in meets the budget"
+    return line
 
 
 def to_json(res: TuneResult, written: list[Path], plot: Path | None, exit_code: int) -> dict[str, Any]:

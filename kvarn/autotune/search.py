@@ -1,7 +1,10 @@
 """The search phase of ``tune()``: per-layer sensitivity, then an Optuna study on calibration text.
 
 The study minimizes bits per element subject to the budget constraint
-(:class:`~kvarn.autotune.objective.Objective`). It is named from everything that defines the search
+(:class:`~kvarn.autotune.objective.Objective`). Two strategies fill it: ``allocate`` (default)
+bisects per-layer mixes of two bit pairs (:mod:`kvarn.autotune.allocate`), one enqueued trial at a
+time; ``tpe`` lets Optuna's TPE sampler roam the whole :class:`~kvarn.autotune.space.SearchSpace`.
+The study is named from everything that defines the search
 (model, text, budget, space, seed), so the same command with the same ``storage`` resumes it.
 Trials left RUNNING by a killed process are marked FAIL before the study continues.
 """
@@ -13,13 +16,14 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from kvarn.autotune.allocate import DEFAULT_FAMILIES, AllocationSpace, Family, allocate
 from kvarn.autotune.config import TuneConfig, slug
-from kvarn.autotune.objective import EvaluatorLike, Objective, best_feasible
+from kvarn.autotune.objective import CONSTRAINT, EvaluatorLike, Objective, best_feasible
 from kvarn.autotune.space import SearchSpace, layer_sensitivity, parse_pair, ranking, sensitivity_key
 from kvarn.schemes import Scheme
 
@@ -58,7 +62,7 @@ class SearchRun:
     """What the search phase leaves for the held-out check: the study's trials and their space."""
 
     study_name: str
-    space: SearchSpace
+    space: SearchSpace | AllocationSpace
     sensitivity: list[float]
     trials: list[FrozenTrial]
     interrupted: bool
@@ -80,7 +84,7 @@ def layer_mix_bits(evaluator: EvaluatorLike, context: int) -> Callable[[Scheme],
     return lambda scheme: geometry.bits_per_element(scheme, context)
 
 
-def study_name(config: TuneConfig, space: SearchSpace, text_sha: str) -> str:
+def study_name(config: TuneConfig, space: SearchSpace | AllocationSpace, text_sha: str) -> str:
     """``kvarn-tune-<model>-<budget>-<hash of the search's definition>``."""
     sig = json.dumps(
         [
@@ -128,7 +132,29 @@ def sensitivity(config: TuneConfig, evaluator: EvaluatorLike, num_layers: int, c
     return layer_sensitivity(measure, num_layers, probe, cache, progress=config.progress)
 
 
-def open_study(config: TuneConfig, space: SearchSpace, name: str) -> optuna.Study:
+def make_space(
+    config: TuneConfig, num_layers: int, rank: tuple[int, ...], groups: tuple[int, ...]
+) -> SearchSpace | AllocationSpace:
+    """The space of ``config.strategy``: layer mixes of the default families (on the searched tile
+    size nearest 128, with one exact first token unless sinks are off), or TPE's whole space."""
+    if config.allocates:
+        g = min(groups, key=lambda x: (abs(x - 128), x))
+        sink = 1 if "1" in config.sinks else 0
+        families = tuple(replace(f, group_size=g, sink_tokens=sink) for f in DEFAULT_FAMILIES)
+        return AllocationSpace(num_layers=num_layers, ranking=rank, families=families)
+    return SearchSpace(
+        num_layers=num_layers,
+        ranking=rank,
+        group_sizes=groups,
+        allow_kv_inversion=config.allow_kv_inversion,
+        sinks=config.sinks,
+        allow_fp16_layers=config.allow_fp16_layers,
+        per_layer=config.per_layer,
+        max_protect=config.max_protect,
+    )
+
+
+def open_study(config: TuneConfig, name: str) -> optuna.Study:
     """Create or load the study ``name`` in ``config.storage`` and fail the trials a killed
     process left RUNNING (they cannot be resumed)."""
     storage = optuna.storages.get_storage(config.storage)
@@ -137,12 +163,15 @@ def open_study(config: TuneConfig, space: SearchSpace, name: str) -> optuna.Stud
     if prune_tokens and not config.budget.needs_greedy:
         pruner = optuna.pruners.ThresholdPruner(upper=config.budget.limit * config.prune_slack)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler: optuna.samplers.BaseSampler = optuna.samplers.RandomSampler(seed=config.seed)  # allocate: enqueued
+    if not config.allocates:
+        sampler = optuna.samplers.TPESampler(seed=config.seed, n_startup_trials=8, multivariate=True, group=True)
     study = optuna.create_study(
         study_name=name,
         storage=storage,
         load_if_exists=True,
         direction="minimize",
-        sampler=optuna.samplers.TPESampler(seed=config.seed, n_startup_trials=8, multivariate=True, group=True),
+        sampler=sampler,
         pruner=pruner,
     )
     stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
@@ -172,18 +201,9 @@ def search(
     num_layers, head_dim = dims
     sens = sensitivity(config, calib_ev, num_layers, calib_sha)
     sensitivity_end = time.perf_counter()
-    space = SearchSpace(
-        num_layers=num_layers,
-        ranking=ranking(sens) if sens else (),
-        group_sizes=groups,
-        allow_kv_inversion=config.allow_kv_inversion,
-        sinks=config.sinks,
-        allow_fp16_layers=config.allow_fp16_layers,
-        per_layer=config.per_layer,
-        max_protect=config.max_protect,
-    )
+    space = make_space(config, num_layers, ranking(sens) if sens else (), groups)
     name = config.study_name or study_name(config, space, text_sha)
-    study = open_study(config, space, name)
+    study = open_study(config, name)
     objective = Objective(
         space,
         config.budget,
@@ -200,7 +220,7 @@ def search(
     )
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
     objective.prime(done)
-    if not study.trials:
+    if not study.trials and isinstance(space, SearchSpace):
         for p in space.seeds():
             study.enqueue_trial(p, skip_if_exists=True)
     evaluated = sum(bool(t.user_attrs.get("evaluated")) for t in done)
@@ -215,24 +235,50 @@ def search(
         if evaluated >= config.trials or trial.number + 1 >= cap:
             study.stop()
 
+    start = time.perf_counter()
+
+    def stopped() -> bool:
+        late = config.timeout is not None and time.perf_counter() - start >= config.timeout
+        return evaluated >= config.trials or late
+
+    def optimize(n_trials: int | None) -> None:
+        study.optimize(
+            objective,
+            n_trials=n_trials,
+            timeout=config.timeout,
+            catch=(RuntimeError, ValueError),
+            callbacks=[after],
+            gc_after_trial=False,
+            show_progress_bar=False,
+        )
+
+    def feasible(family: Family, n: int) -> bool | None:
+        """One enqueued trial of ``family`` with ``n`` upper-pair layers: met the budget or not."""
+        if stopped() or not isinstance(space, AllocationSpace):
+            return None
+        study.enqueue_trial(space.point(family, n))
+        optimize(1)
+        t = study.trials[-1]
+        if t.state == TrialState.PRUNED and str(t.user_attrs.get("status", "")).startswith("skipped"):
+            return True  # no cheaper than the best feasible point: search below it
+        return t.state == TrialState.COMPLETE and t.constraints.get(CONSTRAINT, 1.0) <= 0.0
+
+    def best_bits() -> float | None:
+        best = best_feasible(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        return None if best is None or best.value is None else float(best.value)
+
     interrupted = False
-    if evaluated < config.trials:
-        quiet = _DropInterruptedTrial()
-        logging.getLogger(_OPTUNA_TRIAL_LOG).addFilter(quiet)
-        try:
-            study.optimize(
-                objective,
-                n_trials=None,
-                timeout=config.timeout,
-                catch=(RuntimeError, ValueError),
-                callbacks=[after],
-                gc_after_trial=False,
-                show_progress_bar=False,
-            )
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            logging.getLogger(_OPTUNA_TRIAL_LOG).removeFilter(quiet)
+    quiet = _DropInterruptedTrial()
+    logging.getLogger(_OPTUNA_TRIAL_LOG).addFilter(quiet)
+    try:
+        if isinstance(space, AllocationSpace):
+            allocate(space, feasible, objective.bits, best_bits, stopped)
+        elif evaluated < config.trials:
+            optimize(None)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        logging.getLogger(_OPTUNA_TRIAL_LOG).removeFilter(quiet)
     return SearchRun(
         study_name=name,
         space=space,

@@ -27,7 +27,7 @@ from optuna.trial import TrialState
 
 from kvarn.autotune.budget import Budget
 from kvarn.autotune.config import TuneConfig, derived_name
-from kvarn.autotune.heldout import confirm, confirm_winner, reference
+from kvarn.autotune.heldout import confirm, confirm_winner, nearest_builtins, reference
 from kvarn.autotune.objective import EvaluatorLike, best_feasible
 from kvarn.autotune.result import (
     Candidate,
@@ -41,7 +41,7 @@ from kvarn.autotune.result import (
     trial_rows,
     unique,
 )
-from kvarn.autotune.search import OnTrial, SearchRun, resume_hint, search
+from kvarn.autotune.search import OnTrial, SearchRun, layer_mix_bits, resume_hint, search
 from kvarn.autotune.texts import bundled_text, split_text, text_hash
 from kvarn.eval.metrics import CONFIDENCE
 
@@ -138,6 +138,7 @@ def _config_record(config: TuneConfig, run: SearchRun) -> dict[str, Any]:
         "tokens": config.tokens,
         "holdout": config.holdout,
         "split": config.split,
+        "strategy": config.strategy,
         "trials": config.trials,
         "seed": config.seed,
         "pareto": config.pareto,
@@ -189,6 +190,13 @@ def _finish(res: TuneResult, config: TuneConfig, run: SearchRun, factory: Evalua
     confirm_end = time.perf_counter()
     res.extra["confirm_seconds"] = round(confirm_end - search_end, 1)
     res.references = [reference(held_ev, name, budget, config.progress) for name in config.compare]
+    if config.compare_builtin and res.winner is not None:
+        priced = layer_mix_bits(held_ev, config.bits_context) or (
+            lambda s: s.bits_per_element(res.head_dim, res.num_layers, config.bits_context)
+        )
+        for name in nearest_builtins(res.winner.bits, priced):
+            if name not in config.compare:
+                res.references.append({**reference(held_ev, name, budget, config.progress), "builtin": True})
     res.extra["compare_seconds"] = round(time.perf_counter() - confirm_end, 1)
     if res.winner is None:
         c = min(res.confirmed, key=lambda c: budget.violation(c.heldout_metric or 0.0))

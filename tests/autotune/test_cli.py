@@ -79,7 +79,8 @@ def test_run_writes_preset_that_loads_by_name(
     prov = p.provenance
     assert prov["model"] == "smollm2-135m" and prov["budget"] == "1%" and prov["metric"] == "ppl"
     assert prov["heldout"]["delta_ppl_pct"] <= 1.0 and prov["meets_budget_on_heldout"] is True
-    assert prov["bits_per_element"] == pytest.approx(p.scheme.bits_per_element(HEAD_DIM, NUM_LAYERS), abs=1e-6)
+    bits = p.scheme.bits_per_element(HEAD_DIM, NUM_LAYERS, context=prov["bits_context"])
+    assert prov["bits_per_element"] == pytest.approx(bits, abs=1e-6)
     assert len(prov["text_sha256"]) == 64 and prov["kvarn_version"] and prov["date"].startswith("20")
     assert set(prov["calibration"]) >= {"ppl", "delta_ppl_pct", "kl"}
     assert (tmp_path / "presets" / "my_tuned.png").stat().st_size > 1000
@@ -157,7 +158,8 @@ def test_help_shows_defaults_and_says_vllm_serves_fp16_layers(capsys: pytest.Cap
         cli.main(["--help"])
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    assert "trials in the study, resumed ones included (default: 30)" in text
+    assert "measured trials at most (resumed ones included); pruned-unmeasured trials are free (default: 30)" in text
+    assert "allocate (default)" in text
     assert "(default: 0,1,2,4,tile)" in text and "(default: 256)" in text and "(default: smollm2-135m)" in text
     assert "(default: None)" not in text and "(default: False)" not in text
     assert "vLLM serves them in its own 16-bit cache" in text
