@@ -75,13 +75,18 @@ def format_drift_table(results: Sequence[DriftResult], markdown: bool = False) -
             f"{r.bits_per_element:.3f}",
             f"{r.mean_divergence:.1f}",
             " ".join(str(d) for d in r.divergence),
-            f"{r.mean_kl:.4f}",
-            " ".join(f"{k:.4f}" for k in r.kl),
+            _kl(r.mean_kl),
+            " ".join(_kl(k) for k in r.kl),
             f"{r.seconds:.1f}",
         ]
         for r in results
     ]
     return _render(head, rows, markdown)
+
+
+def _kl(x: float) -> str:
+    """KL to 4 decimals; below 1e-4 (fp16 against itself: rounding only) in exponent form."""
+    return f"{x:.4f}" if abs(x) >= 1e-4 else f"{x:.0e}"
 
 
 def _render(head: list[str], rows: list[list[str]], markdown: bool) -> str:

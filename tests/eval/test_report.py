@@ -100,3 +100,20 @@ def test_metric_sums_intervals_contain_the_point_estimates() -> None:
     d = torch.cat(sums.per_position)[:, 0].mean()
     assert p_lo < 100 * float(torch.expm1(d)) < p_hi
     assert 0.0 < k_lo < sums.mean_kl < k_hi
+
+
+def test_needle_and_drift_tables() -> None:
+    from kvarn.eval import DriftResult, NeedleResult, format_drift_table, format_needle_table
+
+    def needle(name: str, lengths: list[int], hits: list[list[bool]]) -> NeedleResult:
+        return NeedleResult(name, 3.57, lengths, [0.0, 1.0], [1, 2], hits, [["a", "b"]] * len(lengths), 1.0)
+
+    rows = [needle("fp16", [2048, 8192], [[True, True], [True, False]]), needle("k", [2048], [[False, True]])]
+    assert rows[0].rates == [1.0, 0.5] and rows[0].to_dict()["rates"] == [1.0, 0.5]
+    table = format_needle_table(rows, markdown=True).splitlines()
+    assert table[0] == "| scheme | bits/elem | 2048 tokens | 8192 tokens | seconds |"
+    assert table[2] == "| fp16 | 3.570 | 2/2 | 1/2 | 1.0 |" and table[3] == "| k | 3.570 | 1/2 | - | 1.0 |"
+    d = DriftResult("fp16", 16.0, 256, 512, [512, 40], [-3e-10, 0.0126], 2.0)
+    assert d.mean_divergence == 276.0 and d.mean_kl == pytest.approx(0.0063)
+    line = format_drift_table([d]).splitlines()[1].split()
+    assert line == ["fp16", "16.000", "276.0", "512", "40", "0.0063", "-3e-10", "0.0126", "2.0"]
