@@ -139,13 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="bound (default): a trial meets the budget when the upper end of its metric's 90%% chunk-bootstrap "
         "interval does; point: when its point estimate does (holds less often on unseen text)",
     )
-    p.add_argument(
-        "--confirm",
-        type=int,
-        default=5,
-        help="candidates tried on held-out text, fewest bits first; one passes when it meets the budget there by "
-        "the --feasibility rule",
-    )
+    p.add_argument("--confirm", type=int, default=3, help="candidates tried on held-out text, fewest bits first")
     p.add_argument(
         "--no-compare-builtin",
         action="store_true",

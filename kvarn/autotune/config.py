@@ -48,7 +48,7 @@ class TuneConfig:
     sensitivity_tokens: int = 256  # 0: no sensitivity pass (layers ranked by index)
     sensitivity_probe: str = "k2v2"
     cache_dir: Path | None = None
-    confirm: int = 5  # feasible candidates tried on held-out text, fewest bits first
+    confirm: int = 3  # feasible candidates tried on held-out text, fewest bits first
     compare: tuple[str, ...] = ()  # presets / baselines measured on held-out text for the plot
     compare_builtin: bool = True  # also measure the built-in presets nearest the winner's bits (held-out)
     chunk: int = 128

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvarn.autotune.budget import Budget
-from kvarn.autotune.objective import EvaluatorLike, bound_of, interval_of, measurement_dict, metric_of
+from kvarn.autotune.objective import EvaluatorLike, interval_of, measurement_dict, metric_of
 from kvarn.autotune.result import Candidate
 from kvarn.schemes import Scheme
 
@@ -28,36 +28,23 @@ class HeldOut:
     winner: Candidate | None = None
 
 
-def confirm(
-    held_ev: EvaluatorLike, c: Candidate, budget: Budget, progress: bool = True, feasibility: str = "bound"
-) -> Candidate:
-    """Measure ``c`` on held-out text; fills its ``heldout*`` fields and ``meets_heldout``; returns it.
-
-    ``meets_heldout`` follows the same rule as calibration: the interval's upper end within the
-    budget (``feasibility='bound'``), or the point estimate (``'point'``). A search that measures
-    many points near the budget finds some whose calibration estimate is low by chance; their
-    held-out bound exposes them.
-    """
+def confirm(held_ev: EvaluatorLike, c: Candidate, budget: Budget, progress: bool = True) -> Candidate:
+    """Measure ``c`` on held-out text; fills its ``heldout*`` fields and ``meets_heldout``; returns it."""
     r = held_ev.evaluate(Scheme.from_name(c.scheme), greedy=budget.needs_greedy, progress=progress)
     c.heldout = measurement_dict(r)
     c.heldout_metric = metric_of(budget, c.heldout)
     c.heldout_ci = interval_of(budget, c.heldout)
-    c.meets_heldout = budget.met(bound_of(budget, c.heldout) if feasibility == "bound" else c.heldout_metric)
+    c.meets_heldout = budget.met(c.heldout_metric)
     return c
 
 
 def confirm_winner(
-    held_ev: EvaluatorLike,
-    feasible: list[Candidate],
-    budget: Budget,
-    tries: int,
-    progress: bool = True,
-    feasibility: str = "bound",
+    held_ev: EvaluatorLike, feasible: list[Candidate], budget: Budget, tries: int, progress: bool = True
 ) -> HeldOut:
     """Try the first ``max(1, tries)`` of ``feasible`` (fewest bits first) until one meets the budget."""
     out = HeldOut()
     for c in feasible[: max(1, tries)]:
-        out.confirmed.append(confirm(held_ev, c, budget, progress, feasibility))
+        out.confirmed.append(confirm(held_ev, c, budget, progress))
         if c.meets_heldout:
             out.winner = c
             break

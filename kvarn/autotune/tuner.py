@@ -181,12 +181,12 @@ def _finish(res: TuneResult, config: TuneConfig, run: SearchRun, factory: Evalua
     search_end = time.perf_counter()
     res.extra["search_seconds"] = round(search_end - run.sensitivity_end, 1)
     held_ev = factory(held_text)
-    checked = confirm_winner(held_ev, feasible, budget, config.confirm, config.progress, config.feasibility)
+    checked = confirm_winner(held_ev, feasible, budget, config.confirm, config.progress)
     res.confirmed, res.winner = checked.confirmed, checked.winner
     if config.pareto:
         for c in res.front:
             if c.heldout is None:
-                confirm(held_ev, c, budget, config.progress, config.feasibility)
+                confirm(held_ev, c, budget, config.progress)
     confirm_end = time.perf_counter()
     res.extra["confirm_seconds"] = round(confirm_end - search_end, 1)
     res.references = [reference(held_ev, name, budget, config.progress) for name in config.compare]
