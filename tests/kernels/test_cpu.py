@@ -219,9 +219,10 @@ def test_prefill_chunks_after_context(name: str, sink_tokens: int, pooled: bool)
     assert _prefill_sqnr(name, sink_tokens, pooled) >= MIN_SQNR_DB
 
 
-def _prefill_sqnr(name: str, sink_tokens: int, pooled: bool) -> float:
+def _prefill_sqnr(name: str, sink_tokens: int, pooled: bool, dtype: torch.dtype = torch.float32) -> float:
     """SQNR (dB) of ``prefill_attention`` against the float reference: chunks of 7, 1 and 2T+3 new
-    tokens after 2T+5, T and 0 cached tokens, and a sequence with none."""
+    tokens after 2T+5, T and 0 cached tokens, and a sequence with none (inputs and rows in ``dtype``,
+    the reference from the same rounded new tokens and the float context)."""
     sc = scheme(name, sink_tokens)
     t = sc.group_size
     lens, q_lens = [2 * t + 5, t, 0, 3], [7, 1, 2 * t + 3, 0]
@@ -230,16 +231,19 @@ def _prefill_sqnr(name: str, sink_tokens: int, pooled: bool) -> float:
     a = staging(sc, pb, pooled, seed=5)
     g = torch.Generator().manual_seed(1)
     total = sum(q_lens)
-    q = torch.randn(total, hkv * group, d, generator=g)
-    k, v = torch.randn(total, hkv, d, generator=g), torch.randn(total, hkv, d, generator=g)
+    q = torch.randn(total, hkv * group, d, generator=g).to(dtype)
+    k, v = torch.randn(total, hkv, d, generator=g).to(dtype), torch.randn(total, hkv, d, generator=g).to(dtype)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    rows = {key: x.to(dtype) if x is not None and x.is_floating_point() else x for key, x in a.kwargs.items()}
     out = cpu.prefill_attention(
         q,
         k,
         v,
         cu,
-        PagedContext(pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, **a.kwargs),
-    )
+        PagedContext(
+            pb.cache, pb.block_table, pb.num_tiles, a.tail_k.to(dtype), a.tail_v.to(dtype), pb.tail_lens, sc, **rows
+        ),
+    ).float()
     refs = []
     for b in range(len(lens)):
         s, e = int(cu[b]), int(cu[b + 1])
@@ -247,6 +251,48 @@ def _prefill_sqnr(name: str, sink_tokens: int, pooled: bool) -> float:
         vv = torch.cat([pb.context_v[b], v[s:e].transpose(0, 1)], 1)
         refs.append(attention(q[s:e], kk, vv, causal_offset=pb.context_k[b].shape[1]))
     return sqnr_db(torch.cat(refs), out)
+
+
+@pytest.mark.parametrize(("name", "sink_tokens"), [("kvarn_k4v2_g32", 0), ("kvarn_k3v2_g32_rot-rh_s8", 4)])
+def test_prefill_in_bfloat16_has_the_accuracy_of_a_16_bit_cache(name: str, sink_tokens: int) -> None:
+    """bfloat16 queries: keys and values are attended rounded to bfloat16, as a 16-bit cache holds them."""
+    assert _prefill_sqnr(name, sink_tokens, True, torch.bfloat16) >= 40.0
+
+
+def test_prefill_segments_of_several_requests_equal_each_segment_alone() -> None:
+    """Segments are batched (tiles dequantized once, one gathered context per request); each gets
+    what it gets alone."""
+    sc = scheme("kvarn_k4v2_g32_sink", 0)
+    pb = paged_batch(sc, [3 * 32 + 7, 2 * 32 + 1], 2, 64, seed=4)
+    a = staging(sc, pb, True, seed=4)
+    req = torch.tensor([0, 0, 0, 1, 1])  # each request's segments: after its sink tile, then tile by tile
+    tiles = torch.tensor([0, 1, 2, 0, 1], dtype=torch.int32)
+    tails = torch.tensor([0, 0, 7, 0, 1], dtype=torch.int32)
+    table = pb.block_table[req].contiguous()
+    kw = {key: x[req].contiguous() if key.endswith(("_slot", "_lens")) else x for key, x in a.kwargs.items()}
+    g = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 20, 45, 63, 93, 110], dtype=torch.int32)  # longer than SHORT_SEGMENT
+    q, k, v = (torch.randn(110, n, 64, generator=g) for n in (6, 2, 2))
+    ctx = PagedContext(
+        pb.cache,
+        table,
+        tiles,
+        a.tail_k,
+        a.tail_v,
+        tails,
+        sc,
+        tail_slot=a.kwargs["tail_slot"][req],
+        **{key: x for key, x in kw.items() if key != "tail_slot"},
+    )  # type: ignore[arg-type]
+    both = cpu.prefill_attention(q, k, v, cu, ctx)
+    for s in range(5):
+        a0, b0 = int(cu[s]), int(cu[s + 1])
+        one = dataclasses.replace(
+            ctx, block_table=table[s : s + 1], num_tiles=tiles[s : s + 1], tail_lens=tails[s : s + 1],
+            tail_slot=ctx.tail_slot[s : s + 1], sink_lens=ctx.sink_lens[s : s + 1], sink_slot=ctx.sink_slot[s : s + 1],
+        )  # type: ignore[index]  # fmt: skip
+        alone = cpu.prefill_attention(q[a0:b0], k[a0:b0], v[a0:b0], torch.tensor([0, b0 - a0], dtype=torch.int32), one)
+        torch.testing.assert_close(both[a0:b0], alone, atol=1e-6, rtol=1e-5)
 
 
 def test_prefill_short_segments_without_the_native_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

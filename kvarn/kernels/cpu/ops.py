@@ -15,7 +15,7 @@ import torch
 
 from kvarn.kernels._checks import FLOAT_DTYPES, KernelArgumentError, check_new_tokens, check_query, check_tensor
 from kvarn.kernels.api import PagedContext
-from kvarn.kernels.cpu import fallback, native
+from kvarn.kernels.cpu import fallback, native, prefill
 from kvarn.kernels.cpu._checks import CPU, check_context, check_indices
 from kvarn.kernels.cpu.store import quantize_tiles_cpu, store_tiles
 
@@ -101,7 +101,8 @@ def prefill_attention(
     short = (q_lens > 0) & (q_lens <= SHORT_SEGMENT)
     decoded = _short_segments(ctx, query, key, value, cu_seqlens_q, short)
     if decoded is None or not bool(short.all()):
-        out.copy_(fallback.prefill(ctx, query, key, value, cu_seqlens_q))
+        attend = None if decoded is None else ~short
+        out.copy_(prefill.prefill(ctx, query, key, value, cu_seqlens_q, attend))
     if decoded is not None:
         out[decoded[0]] = decoded[1].to(out.dtype)
     return out
