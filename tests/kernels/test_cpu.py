@@ -351,6 +351,13 @@ def test_bench_tool_measures_every_method_and_replaces_its_doc_section(tmp_path:
     assert [(r["context"], r["chunk"]) for r in pre] == [(0, 256), (256, 256)]
     assert set(pre[0]["ms"]) == {"kvarn attention", "kvarn store"} and all(v > 0 for v in pre[1]["ms"].values())
     assert tool.prefill_table(pre).splitlines()[2].startswith("| 0 | 256 |")
+    ttft = {"kv_cache_dtype": "auto", "batch": 4, "context": 2048, "miss_s": 2.0, "miss_cpu_s": 3.0}
+    ttft |= {"hit_s": 0.5, "hit_cpu_s": 0.25} | {
+        f"{k}_vs_default": 1.0 for k in ("miss_s", "miss_cpu_s", "hit_s", "hit_cpu_s")
+    }
+    assert tool.serve_prefill_table([ttft]).splitlines()[2] == (
+        "| `auto` | 4 | 2048 | 2.00 | 1.00x | 3.00 | 1.00x | 0.50 | 1.00x | 0.25 | 1.00x |"
+    )
     store = tool.bench_store((("kvarn_k4v2_g32", 64),), tiles=2, heads=1, repeats=1)
     assert [(r["scheme"], r["head_dim"]) for r in store] == [("kvarn_k4v2_g32", 64)]
     assert store[0]["native_ms"] > 0 and store[0]["reference_ms"] > 0 and 0.5 <= store[0]["identical"] <= 1

@@ -1,4 +1,4 @@
-"""Vectorized PyTorch attention over packed tiles: the portable CPU path behind :mod:`kvarn.kernels.cpu.ops`.
+"""Vectorized PyTorch decode attention over packed tiles: the portable CPU path behind :mod:`kvarn.kernels.cpu.ops`.
 
 Decode attends the records directly, batched over requests, KV heads and tiles, the way the GPU
 kernel does: with ``kq, vq`` the codes of a tile in the rotated domain,
@@ -7,21 +7,17 @@ the exact rows (sink copies or sink tile, tail) are attended with the unrotated 
 rotated accumulator is un-rotated once at the end. Only the tiles that are read are unpacked (codes
 as float32, parameters decoded by the reference :func:`~kvarn.codec.tiles.decode_records`).
 
-Prefill dequantizes the tiles it reads into a per-request workspace (as the Triton prefill does)
-and runs one masked ``scaled_dot_product_attention`` for all requests, padded to the longest.
-Both read the lengths on the host (``.max()``), which on CPU is no device synchronisation.
+Prefill is :mod:`kvarn.kernels.cpu.prefill`. Decode reads the lengths on the host (``.max()``),
+which on CPU is no device synchronisation.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvarn.codec.rotation import rotation_matrix
-from kvarn.codec.tiles import decode_records, dequantize_tiles
+from kvarn.codec.tiles import decode_records
 from kvarn.kernels.api import PagedContext
-
-PREFILL_GROUPS = 4  # SDPA calls per prefill, sequences grouped by context length
 
 
 def exact_rows(p: PagedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,79 +93,3 @@ def decode(p: PagedContext, query: torch.Tensor) -> torch.Tensor:
         o_rot = o.sum(1)  # [B, H, G, D]; unread tiles may hold any bytes, inf and NaN included
         out = out + o_rot @ rot.T
     return out.reshape(bsz, hq, d)
-
-
-def prefill(
-    p: PagedContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: torch.Tensor
-) -> torch.Tensor:
-    """Causal prefill attention -> ``[N, Hq, D]`` float32 (see :func:`kvarn.kernels.cpu.ops.prefill_attention`).
-
-    Every key a request sees is gathered by index from one source table of rows ``[*, H, D]``
-    (dequantized tiles, sink rows, tail rows, new keys, a zero row for padding), so there is no
-    loop over requests.
-    """
-    total, hq, d = query.shape
-    h, t = key.shape[1], p.scheme.group_size
-    block_table, num_tiles = p.block_table, p.num_tiles
-    bsz = cu_seqlens_q.shape[0] - 1
-    cu = cu_seqlens_q.long()
-    q_lens = cu[1:] - cu[:-1]
-    n = int(num_tiles.max())
-    # segments of one request read the same tiles: dequantize each block once
-    ids = torch.where(torch.arange(n)[None, :] < num_tiles.long()[:, None], block_table[:, :n].long(), 0)
-    blocks, which = torch.unique(ids, return_inverse=True)  # which: [B, n] index into blocks
-    ek, ev, _ = exact_rows(p)  # [B, H, R, D]; sink rows first (capacity S), then the tail
-    r = ek.shape[2]
-    s_cap = r - t
-    sink = p.sink_count() if s_cap else torch.zeros(bsz, dtype=torch.long)
-    ahead = sink if p.scheme.sink_tile else torch.zeros_like(sink)
-    tiles_end = ahead + num_tiles.long() * t
-    cached = tiles_end + p.tail_lens.long()
-    ctx = cached + q_lens
-    width = int(ctx.max())
-    src_k = [ek.transpose(1, 2).reshape(bsz * r, h, d), key.float()]
-    src_v = [ev.transpose(1, 2).reshape(bsz * r, h, d), value.float()]
-    if n:
-        u = blocks.shape[0]
-        dk, dv = dequantize_tiles(p.cache[blocks].reshape(u * h, -1), p.scheme, d)  # [U*H, T, D]
-        src_k.append(dk.view(u, h, t, d).transpose(1, 2).reshape(u * t, h, d))
-        src_v.append(dv.view(u, h, t, d).transpose(1, 2).reshape(u * t, h, d))
-    zero_row = torch.zeros(1, h, d)
-    src_k.append(zero_row)
-    src_v.append(zero_row)
-    rows_base, new_base, tile_base = 0, bsz * r, bsz * r + total
-    zero = sum(x.shape[0] for x in src_k) - 1
-    b = torch.arange(bsz)[:, None]
-    pos = torch.arange(width)[None, :]
-    idx = torch.full((bsz, width), zero, dtype=torch.long)
-    in_tiles = (pos >= ahead[:, None]) & (pos < tiles_end[:, None])
-    j = (pos - ahead[:, None]).clamp_min(0)
-    tile = which.gather(1, (j // t).clamp(max=max(n - 1, 0))) if n else torch.zeros_like(j)
-    idx = torch.where(in_tiles, tile_base + tile * t + j % t, idx)
-    idx = torch.where(pos < sink[:, None], rows_base + b * r + pos, idx)  # sink tile, or copies over tile 0
-    in_tail = (pos >= tiles_end[:, None]) & (pos < cached[:, None])
-    idx = torch.where(in_tail, rows_base + b * r + s_cap + (pos - tiles_end[:, None]), idx)
-    in_new = (pos >= cached[:, None]) & (pos < ctx[:, None])
-    idx = torch.where(in_new, new_base + cu[:-1, None] + (pos - cached[:, None]), idx)
-    all_k, all_v, q_all = torch.cat(src_k), torch.cat(src_v), query.float()
-    out = torch.empty(total, hq, d)
-    # sequences padded to the longest of their group: vLLM's segments of one chunk range from no
-    # context to all of it, so a few groups of similar lengths halve the padded work
-    order = torch.argsort(ctx)
-    for grp in order.tensor_split(min(PREFILL_GROUPS, bsz)):
-        w = int(ctx[grp].max())
-        k_ws = all_k[idx[grp, :w]].transpose(1, 2)  # [b, H, w, D]
-        v_ws = all_v[idx[grp, :w]].transpose(1, 2)
-        lq = int(q_lens[grp].max())
-        if lq == 0:
-            continue
-        jq = torch.arange(lq)[None, :]
-        q_ok = jq < q_lens[grp, None]  # [b, Lq]
-        q_idx = torch.where(q_ok, cu[grp, None] + jq, 0)
-        q_pad = q_all[q_idx].transpose(1, 2)  # [b, Hq, Lq, D]
-        allowed = pos[:, None, :w] <= (cached[grp, None, None] + jq[:, :, None])  # [b, Lq, w], causal
-        o = F.scaled_dot_product_attention(
-            q_pad, k_ws, v_ws, attn_mask=allowed[:, None], scale=p.sm_scale(d), enable_gqa=hq != h
-        )  # [b, Hq, Lq, D]
-        out[q_idx[q_ok]] = o.transpose(1, 2)[q_ok]
-    return out

@@ -1,7 +1,7 @@
 """The CPU backend's :class:`~kvarn.kernels.api.AttentionOps`: attention over packed tiles and the store.
 
 Decode runs the native kernel (:mod:`.native`) where it builds and takes the tensors, else the
-vectorized torch path (:mod:`.fallback`); prefill runs the torch path, except short segments
+vectorized torch path (:mod:`.fallback`); prefill runs torch's CPU flash attention (:mod:`.prefill`), except short segments
 (:data:`SHORT_SEGMENT` tokens or fewer), which the native decode kernel attends token by token so
 that they get the bits decoding them gives. Layout and token order of the context: :mod:`kvarn.kernels.api`.
 Full tiles are quantized into the cache by :func:`store_tiles` (:mod:`.store`).
@@ -74,7 +74,8 @@ def prefill_attention(
 
     The cached context of sequence ``b`` is ``ctx``'s (all empty for a first chunk); its new tokens
     ``query[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` follow it. The packed tiles read are dequantized
-    into a workspace (prefill is compute-bound in the new tokens); the op reads lengths on the host.
+    once per call and attended apart from the exact rows (:mod:`.prefill`); bfloat16 queries attend
+    in bfloat16, others in float32; the op reads lengths on the host.
 
     Args:
         query: ``[N, Hq, D]`` new tokens of all sequences, packed by sequence, unrotated.
