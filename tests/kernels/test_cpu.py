@@ -196,6 +196,26 @@ def test_decode_sequence_without_tokens_gets_zeros() -> None:
         assert sqnr_db(attention(q[1:], pb.tail_k[1, :, :5], pb.tail_v[1, :, :5]), out[1:]) >= MIN_SQNR_DB
 
 
+def test_decode_ignores_whatever_rows_past_the_tail_hold() -> None:
+    """Rows of a tail slot past its length are not the request's (vLLM's scratch tiles are uninitialized
+    memory): NaN there changes nothing, in every implementation."""
+    sc = scheme("kvarn_k4v2_g32")
+    pb = paged_batch(sc, [2 * 32 + 5, 9], 2, 64, seed=3)
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(3))
+    tail_k, tail_v = pb.tail_k.clone(), pb.tail_v.clone()
+    for b, n in enumerate(pb.tail_lens.tolist()):
+        tail_k[b, :, n:] = float("nan")
+        tail_v[b, :, n:] = float("nan")
+    for impl in IMPLS:
+        clean = cpu.decode_attention(
+            q, PagedContext(pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, sc), impl=impl
+        )
+        dirty = cpu.decode_attention(
+            q, PagedContext(pb.cache, pb.block_table, pb.num_tiles, tail_k, tail_v, pb.tail_lens, sc), impl=impl
+        )
+        assert torch.equal(clean, dirty), impl
+
+
 def test_decode_mixed_dtypes_fall_back_to_torch() -> None:
     """Tails in another dtype than the query: the native kernel declines, the torch path answers."""
     sc = scheme("kvarn_k4v2_g32")

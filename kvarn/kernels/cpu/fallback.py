@@ -24,7 +24,8 @@ def exact_rows(p: PagedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     """Unquantized rows each sequence attends: sink rows then tail rows, unrotated float32.
 
     Returns ``(k [B, H, R, D], v [B, H, R, D], valid [B, R] bool)``; ``R = S + T`` (sink capacity
-    plus group size). Sink rows count only up to :meth:`PagedContext.sink_count`.
+    plus group size). Sink rows count only up to :meth:`PagedContext.sink_count`; rows that do not
+    count are zeros, whatever their slot holds.
     """
     bsz = p.num_tiles.shape[0]
     ks: list[torch.Tensor] = []
@@ -37,9 +38,11 @@ def exact_rows(p: PagedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         if rows_k is None or rows_v is None or count is None:
             continue
         idx = slot.long() if slot is not None else torch.arange(bsz)
-        ks.append(rows_k.index_select(0, idx).float())
-        vs.append(rows_v.index_select(0, idx).float())
-        valid.append(torch.arange(rows_k.shape[2])[None, :] < count.long()[:, None])
+        ok = torch.arange(rows_k.shape[2])[None, :] < count.long()[:, None]  # [B, rows]
+        keep = ok[:, None, :, None]  # rows past the count may hold any bytes, NaN included
+        ks.append(rows_k.index_select(0, idx).float().where(keep, 0.0))
+        vs.append(rows_v.index_select(0, idx).float().where(keep, 0.0))
+        valid.append(ok)
     return torch.cat(ks, 2), torch.cat(vs, 2), torch.cat(valid, 1)
 
 
