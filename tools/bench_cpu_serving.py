@@ -444,35 +444,37 @@ def bench_serve_prefill(
     return rows
 
 
-def serve_prefill_table(rows: list[dict[str, Any]]) -> str:
+def _serving_table(rows: list[dict[str, Any]], context: str, columns: list[tuple[str, str, str, str | None]]) -> str:
+    """A Markdown table of ``bench_serve*`` rows: the dtype, requests and context (its column titled
+    ``context``), then each ``(title, key, format, ratio key)`` of ``columns``: the value and, unless
+    the ratio key is None, its ratio to the default cache in a ``vs default`` column (blank without one)."""
+    titles = [t for title, _, _, ratio in columns for t in ((title, "vs default") if ratio else (title,))]
     lines = [
-        "| kv_cache_dtype | requests | prompt | miss s | vs default | miss CPU s | vs default | hit s | vs default "
-        "| hit CPU s | vs default |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| " + " | ".join(["kv_cache_dtype", "requests", context, *titles]) + " |",
+        "|---|" + "---:|" * (len(titles) + 2),
     ]
     for r in rows:
         cells = [f"`{r['kv_cache_dtype']}`", str(r["batch"]), str(r["context"])]
-        for key in ("miss_s", "miss_cpu_s", "hit_s", "hit_cpu_s"):
-            ratio = r[f"{key}_vs_default"]
-            cells += [f"{r[key]:.2f}", "" if ratio is None else f"{ratio:.2f}x"]
+        for _, key, fmt, ratio_key in columns:
+            cells.append(format(r[key], fmt))
+            if ratio_key is not None:
+                cells.append("" if r[ratio_key] is None else f"{r[ratio_key]:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def serve_prefill_table(rows: list[dict[str, Any]]) -> str:
+    kinds = (("miss s", "miss_s"), ("miss CPU s", "miss_cpu_s"), ("hit s", "hit_s"), ("hit CPU s", "hit_cpu_s"))
+    return _serving_table(rows, "prompt", [(title, key, ".2f", f"{key}_vs_default") for title, key in kinds])
 
 
 def serve_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| kv_cache_dtype | requests | context | decode tokens/s | vs default | tokens per CPU-second | vs default "
-        "| first run s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    columns: list[tuple[str, str, str, str | None]] = [
+        ("decode tokens/s", "decode_tok_per_s", ".1f", "vs_default_per_s"),
+        ("tokens per CPU-second", "decode_tok_per_cpu_s", ".1f", "vs_default_per_cpu_s"),
+        ("first run s", "first_run_s", ".0f", None),
     ]
-    for r in rows:
-        cells = [f"`{r['kv_cache_dtype']}`", str(r["batch"]), str(r["context"])]
-        for key in ("decode_tok_per_s", "decode_tok_per_cpu_s"):
-            ratio = r[key.replace("decode_tok", "vs_default")]
-            cells += [f"{r[key]:.1f}", "" if ratio is None else f"{ratio:.2f}x"]
-        cells.append(f"{r['first_run_s']:.0f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return _serving_table(rows, "context", columns)
 
 
 def ops_table(rows: list[dict[str, Any]]) -> str:

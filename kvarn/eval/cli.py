@@ -16,7 +16,8 @@ import torch
 
 from kvarn.baselines import VLLM033
 from kvarn.eval import drift, needle
-from kvarn.eval.harness import BOS_CHOICES, EvalResult, Evaluator
+from kvarn.eval.bos import BOS_CHOICES
+from kvarn.eval.harness import EvalResult, Evaluator
 from kvarn.eval.report import Result, format_drift_table, format_needle_table, format_table, plot_pareto, write_json
 from kvarn.hf import FP16, baselines, resolve_spec
 from kvarn.models import DEVICES, DTYPES, parse_device
@@ -62,6 +63,12 @@ def _positive(what: str, minimum: int) -> Any:
     return parse
 
 
+def _add_count(p: argparse.ArgumentParser, flag: str, minimum: int, default: int, what: str) -> None:
+    """Add the option ``flag``: an integer of at least ``minimum``, ``default`` when absent; its help is
+    ``what`` and the default."""
+    p.add_argument(flag, type=_positive(flag, minimum), default=default, help=f"{what} (default {default})")
+
+
 def _lengths(text: str) -> list[int]:
     """``--lengths``: comma-separated token counts, each at least 64."""
     out = []
@@ -103,8 +110,8 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--text", type=Path, help="UTF-8 text file (default: the bundled GPL-3, then Apache-2.0; 9,881 SmolLM2 tokens)"
     )
-    p.add_argument("--tokens", type=_positive("--tokens", 2), default=2048, help="first N tokens (default 2048)")
-    p.add_argument("--chunk", type=_positive("--chunk", 1), default=128, help="tokens per forward pass (default 128)")
+    _add_count(p, "--tokens", 2, 2048, "first N tokens")
+    _add_count(p, "--chunk", 1, 128, "tokens per forward pass")
     p.add_argument(
         "--greedy-tokens", type=_positive("--greedy-tokens", 0), default=256, help="greedy continuation (0: none)"
     )
@@ -114,27 +121,10 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=list(needle.DEFAULT_LENGTHS),
         help="needle: prompt lengths in tokens (default 2048,4096,8192)",
     )
-    p.add_argument(
-        "--depths",
-        type=_positive("--depths", 1),
-        default=needle.DEFAULT_DEPTHS,
-        help=f"needle: depths per length, evenly spaced from start to end (default {needle.DEFAULT_DEPTHS})",
-    )
-    p.add_argument(
-        "--prompts", type=_positive("--prompts", 1), default=drift.DEFAULT_PROMPTS, help="drift: prompts (default 4)"
-    )
-    p.add_argument(
-        "--prompt-tokens",
-        type=_positive("--prompt-tokens", 1),
-        default=drift.DEFAULT_PROMPT_TOKENS,
-        help=f"drift: tokens per prompt, from the text (default {drift.DEFAULT_PROMPT_TOKENS})",
-    )
-    p.add_argument(
-        "--drift-tokens",
-        type=_positive("--drift-tokens", 1),
-        default=drift.DEFAULT_TOKENS,
-        help=f"drift: tokens generated from each prompt (default {drift.DEFAULT_TOKENS})",
-    )
+    _add_count(p, "--depths", 1, needle.DEFAULT_DEPTHS, "needle: depths per length, evenly spaced from start to end")
+    _add_count(p, "--prompts", 1, drift.DEFAULT_PROMPTS, "drift: prompts")
+    _add_count(p, "--prompt-tokens", 1, drift.DEFAULT_PROMPT_TOKENS, "drift: tokens per prompt, from the text")
+    _add_count(p, "--drift-tokens", 1, drift.DEFAULT_TOKENS, "drift: tokens generated from each prompt")
     p.add_argument("--json", type=Path, help="write one JSON object per scheme to this file")
     p.add_argument("--plot", type=Path, help="write the Pareto plot (bits/element vs KL) to this PNG")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")

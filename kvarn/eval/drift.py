@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from kvarn.eval.harness import Evaluator, make_cache
 from kvarn.eval.metrics import kl_per_position, leading_matches
+from kvarn.eval.task import Task
 from kvarn.hf import KVarNCache
 from kvarn.hf.spec import BaselineLike, Spec
 from kvarn.schemes import Scheme
@@ -95,7 +95,7 @@ def prompt_starts(ids: Sequence[int], newline: Sequence[bool], count: int, lengt
     return out
 
 
-class DriftTask:
+class DriftTask(Task[DriftResult]):
     """Free-running greedy generation from several prompts of an :class:`Evaluator`'s text.
 
     Args:
@@ -137,8 +137,10 @@ class DriftTask:
     def _check(self, scheme: str | Scheme | BaselineLike) -> Spec:
         return self.ev.check(scheme, self.prompt_tokens + self.tokens, "Use more --prompt-tokens or --drift-tokens")
 
-    def _bar_steps(self, runs: int) -> int:
-        """Progress-bar steps of ``runs`` free runs: prompt chunks, generated tokens, fp16's reading."""
+    def _steps(self, spec: Spec) -> int:
+        """Progress-bar steps of ``spec``'s free runs (none for fp16) and fp16's (until they are kept):
+        prompt chunks, generated tokens, fp16's reading."""
+        runs = (0 if spec is None else 1) + (0 if self._refs else 1)
         c = self.ev.chunk
         return runs * len(self.prompts) * (-(-self.prompt_tokens // c) + self.tokens + -(-(self.tokens - 1) // c))
 
@@ -172,57 +174,26 @@ class DriftTask:
                 self._refs.append(ref)
         return self._refs
 
-    def evaluate(self, scheme: str | Scheme | BaselineLike, *, progress: bool = True) -> DriftResult:
-        """Generate from every prompt through ``scheme``'s cache and compare with fp16.
-
-        Raises:
-            UnknownSchemeError, SchemeError, ValueError: see :meth:`Evaluator.check`.
-        """
+    def _measure(self, spec: Spec, name: str, bar: Any, t0: float) -> DriftResult:
+        """Generate from every prompt through ``spec``'s cache and compare with fp16."""
         ev = self.ev
-        spec = self._check(scheme)
-        name = scheme if isinstance(scheme, str) else scheme.name
-        t0 = time.perf_counter()
-        runs = (0 if spec is None else 1) + (0 if self._refs else 1)
-        with ev._bar(name, self._bar_steps(runs), progress) as bar:
-            refs = self._reference(bar)
-            if spec is None:
-                return DriftResult(
-                    name,
-                    16.0,
-                    self.prompt_tokens,
-                    self.tokens,
-                    [self.tokens] * len(refs),
-                    [r.kl for r in refs],
-                    time.perf_counter() - t0,
-                )
-            divergence, kls, bits = [], [], 16.0
-            for prompt, ref in zip(self.prompts, refs, strict=True):
-                cache = make_cache(
-                    spec,
-                    ev.model.config,
-                    quantize_before_read=ev.quantize_before_read,
-                    quantize_sliding=ev.quantize_sliding,
-                )
-                logps: list[torch.Tensor] = []
-                tokens = ev.greedy(cache, self._prompt(cache, prompt, bar), self.tokens, bar, logps=logps)
-                bits = cache.bits_per_element()
-                divergence.append(leading_matches(tokens, ref.tokens))
-                kls.append(self._kl(ref, tokens, logps, bar))
+        refs = self._reference(bar)
+        if spec is None:
+            return DriftResult(
+                name,
+                16.0,
+                self.prompt_tokens,
+                self.tokens,
+                [self.tokens] * len(refs),
+                [r.kl for r in refs],
+                time.perf_counter() - t0,
+            )
+        divergence, kls, bits = [], [], 16.0
+        for prompt, ref in zip(self.prompts, refs, strict=True):
+            cache = ev.new_cache(spec)
+            logps: list[torch.Tensor] = []
+            tokens = ev.greedy(cache, self._prompt(cache, prompt, bar), self.tokens, bar, logps=logps)
+            bits = cache.bits_per_element()
+            divergence.append(leading_matches(tokens, ref.tokens))
+            kls.append(self._kl(ref, tokens, logps, bar))
         return DriftResult(name, bits, self.prompt_tokens, self.tokens, divergence, kls, time.perf_counter() - t0)
-
-    def evaluate_all(
-        self,
-        schemes: Sequence[str | Scheme | BaselineLike],
-        *,
-        progress: bool = True,
-        on_result: Callable[[DriftResult], None] | None = None,
-    ) -> list[DriftResult]:
-        """Check every scheme first (a typo fails fast), then measure each in turn."""
-        for s in schemes:
-            self._check(s)
-        results = []
-        for s in tqdm(schemes, desc="schemes", unit="scheme", disable=not progress or len(schemes) < 2):
-            results.append(self.evaluate(s, progress=progress))
-            if on_result is not None:
-                on_result(results[-1])
-        return results

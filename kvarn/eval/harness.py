@@ -28,7 +28,9 @@ import torch
 from tqdm.auto import tqdm
 
 from kvarn.baselines import Baseline
+from kvarn.eval.bos import tokenize
 from kvarn.eval.metrics import MetricSums, leading_matches, nll
+from kvarn.eval.task import evaluate_each
 from kvarn.hf import FP16, KVarNCache, model_geometry, resolve_spec
 from kvarn.hf.layers import KVarNLayer
 from kvarn.hf.spec import BaselineLike, Spec
@@ -142,7 +144,7 @@ class Evaluator:
         self.model, self.tokenizer = _loaded(model, self.device, self.dtype)
         text = default_text() if text is None else text
         self.text_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
-        self.ids, self.bos = _tokenize(self.tokenizer, text, bos)
+        self.ids, self.bos = tokenize(self.tokenizer, text, bos)
         self.ids = self.ids[:, :tokens]  # [1, n] int64, CPU
         self.tokens = int(self.ids.shape[1])
         if self.tokens < 2:
@@ -249,6 +251,16 @@ class Evaluator:
             lp = logits[0, -1].float().log_softmax(-1).cpu() if logps is not None else logits[0, -1]
         return out
 
+    def new_cache(self, spec: Spec) -> KVarNCache:
+        """An empty :func:`make_cache` for ``spec`` (a resolved one) with this evaluator's
+        ``quantize_before_read`` and ``quantize_sliding``."""
+        return make_cache(
+            spec,
+            self.model.config,
+            quantize_before_read=self.quantize_before_read,
+            quantize_sliding=self.quantize_sliding,
+        )
+
     def _bar(self, desc: str, total: int, progress: bool) -> Any:
         return tqdm(total=total, desc=desc, unit="step", disable=not progress, leave=False)
 
@@ -315,12 +327,7 @@ class Evaluator:
                 _name(scheme), 16.0, ref_ppl, 0.0, 0.0, 1.0, agree, n, ref.seconds, [0.0, 0.0], [0.0, 0.0]
             )
         t0 = time.perf_counter()
-        cache = make_cache(
-            spec,
-            self.model.config,
-            quantize_before_read=self.quantize_before_read,
-            quantize_sliding=self.quantize_sliding,
-        )
+        cache = self.new_cache(spec)
         sums = MetricSums()
         last = torch.empty(0)
         with self._bar(_name(scheme), math.ceil(n / self.chunk) + g, progress) as bar:
@@ -357,33 +364,8 @@ class Evaluator:
         on_result: Callable[[EvalResult], None] | None = None,
     ) -> list[EvalResult]:
         """Check every scheme first (so a typo fails fast), then measure each in turn."""
-        for s in schemes:
-            self.check(s)
-        results = []
-        for s in tqdm(schemes, desc="schemes", unit="scheme", disable=not progress or len(schemes) < 2):
-            results.append(self.evaluate(s, greedy=greedy, progress=progress))
-            if on_result is not None:
-                on_result(results[-1])
-        return results
-
-
-BOS_CHOICES = ("auto", "yes", "no")
-
-
-def _tokenize(tokenizer: Any, text: str, bos: str) -> tuple[torch.Tensor, bool]:
-    """``([1, n] int64 ids, whether they start with a BOS token)`` under the ``bos`` policy."""
-    if bos not in BOS_CHOICES:
-        raise ValueError(f"bos={bos!r} is not one of: {', '.join(BOS_CHOICES)}")
-    ids: torch.Tensor = tokenizer(text, return_tensors="pt").input_ids
-    bos_id = tokenizer.bos_token_id
-    has = bos_id is not None and ids.shape[1] > 0 and int(ids[0, 0]) == bos_id
-    if bos == "yes" and not has:
-        if bos_id is None:
-            raise ValueError("bos='yes': the tokenizer defines no BOS token")
-        ids, has = torch.cat([torch.tensor([[bos_id]]), ids], dim=1), True
-    elif bos == "no" and has:
-        ids, has = ids[:, 1:], False
-    return ids, has
+        measure = functools.partial(self.evaluate, greedy=greedy, progress=progress)
+        return evaluate_each(schemes, self.check, measure, progress=progress, on_result=on_result)
 
 
 def make_cache(spec: str | Scheme | BaselineLike | None, config: Any, **kwargs: Any) -> KVarNCache:

@@ -28,14 +28,14 @@ import copy
 import random
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
-from kvarn.eval.harness import Evaluator, make_cache
+from kvarn.eval.harness import Evaluator
+from kvarn.eval.task import Task
 from kvarn.hf.spec import BaselineLike, Spec
 from kvarn.schemes import Scheme
 
@@ -148,7 +148,7 @@ class NeedleResult:
         return {**asdict(self), "rates": self.rates}
 
 
-class NeedleTask:
+class NeedleTask(Task[NeedleResult]):
     """Pass-key retrieval at several lengths and depths, on an :class:`Evaluator`'s model and text.
 
     Args:
@@ -179,8 +179,8 @@ class NeedleTask:
     def _check(self, scheme: str | Scheme | BaselineLike) -> Spec:
         return self.ev.check(scheme, self.lengths[0], "Use longer --lengths")
 
-    def _steps(self) -> int:
-        """Progress-bar steps of one scheme: chunks fed and answer tokens."""
+    def _steps(self, spec: Spec) -> int:
+        """Progress-bar steps of one scheme (the same for every ``spec``): chunks fed and answer tokens."""
         c = self.ev.chunk
         steps = 0
         for n, prompts in self.prompts.items():
@@ -188,45 +188,32 @@ class NeedleTask:
             steps += max(starts) // c + sum(-(-(n - s) // c) for s in starts) + ANSWER_TOKENS * len(prompts)
         return steps
 
-    def evaluate(self, scheme: str | Scheme | BaselineLike, *, progress: bool = True) -> NeedleResult:
-        """Retrieve every prompt's key through ``scheme``'s cache (``fp16``: no quantization).
-
-        Raises:
-            UnknownSchemeError, SchemeError, ValueError: see :meth:`Evaluator.check`.
-        """
+    def _measure(self, spec: Spec, name: str, bar: Any, t0: float) -> NeedleResult:
+        """Retrieve every prompt's key through ``spec``'s cache (``fp16``: no quantization)."""
         ev = self.ev
-        spec = self._check(scheme)
-        name = scheme if isinstance(scheme, str) else scheme.name
-        t0 = time.perf_counter()
         found: list[list[bool]] = []
         answers: list[list[str]] = []
         bits = 16.0
-        with ev._bar(name, self._steps(), progress) as bar:
-            for n in self.lengths:
-                prompts = self.prompts[n]
-                trunk = max(prompts, key=lambda p: p.shared).ids  # the shared part of every prompt is its prefix
-                cache = make_cache(
-                    spec,
-                    ev.model.config,
-                    quantize_before_read=ev.quantize_before_read,
-                    quantize_sliding=ev.quantize_sliding,
-                )
-                fed = 0
-                out: dict[int, str] = {}
-                order = sorted(range(len(prompts)), key=lambda i: prompts[i].shared)
-                for k, i in enumerate(order):
-                    start = prompts[i].shared // ev.chunk * ev.chunk
-                    for _ in ev.feed(cache, trunk[:, :start], bar, start=fed, last_only=True):
-                        pass
-                    fed = max(fed, start)
-                    fork = cache if k == len(order) - 1 else copy.deepcopy(cache)
-                    last = torch.empty(0)
-                    for _, lp in ev.feed(fork, prompts[i].ids, bar, start=start, last_only=True):
-                        last = lp[-1]
-                    bits = fork.bits_per_element() if spec is not None else 16.0
-                    out[i] = ev.tokenizer.decode(ev.greedy(fork, last, ANSWER_TOKENS, bar))
-                answers.append([out[i] for i in range(len(prompts))])
-                found.append([retrieved(out[i], p.key) for i, p in enumerate(prompts)])
+        for n in self.lengths:
+            prompts = self.prompts[n]
+            trunk = max(prompts, key=lambda p: p.shared).ids  # the shared part of every prompt is its prefix
+            cache = ev.new_cache(spec)
+            fed = 0
+            out: dict[int, str] = {}
+            order = sorted(range(len(prompts)), key=lambda i: prompts[i].shared)
+            for k, i in enumerate(order):
+                start = prompts[i].shared // ev.chunk * ev.chunk
+                for _ in ev.feed(cache, trunk[:, :start], bar, start=fed, last_only=True):
+                    pass
+                fed = max(fed, start)
+                fork = cache if k == len(order) - 1 else copy.deepcopy(cache)
+                last = torch.empty(0)
+                for _, lp in ev.feed(fork, prompts[i].ids, bar, start=start, last_only=True):
+                    last = lp[-1]
+                bits = fork.bits_per_element() if spec is not None else 16.0
+                out[i] = ev.tokenizer.decode(ev.greedy(fork, last, ANSWER_TOKENS, bar))
+            answers.append([out[i] for i in range(len(prompts))])
+            found.append([retrieved(out[i], p.key) for i, p in enumerate(prompts)])
         return NeedleResult(
             scheme=name,
             bits_per_element=bits,
@@ -237,20 +224,3 @@ class NeedleTask:
             answers=answers,
             seconds=time.perf_counter() - t0,
         )
-
-    def evaluate_all(
-        self,
-        schemes: Sequence[str | Scheme | BaselineLike],
-        *,
-        progress: bool = True,
-        on_result: Callable[[NeedleResult], None] | None = None,
-    ) -> list[NeedleResult]:
-        """Check every scheme first (a typo fails fast), then measure each in turn."""
-        for s in schemes:
-            self._check(s)
-        results = []
-        for s in tqdm(schemes, desc="schemes", unit="scheme", disable=not progress or len(schemes) < 2):
-            results.append(self.evaluate(s, progress=progress))
-            if on_result is not None:
-                on_result(results[-1])
-        return results

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvarn.eval.harness import _tokenize
+from kvarn.eval.bos import tokenize
 
 
 class Tok:
@@ -28,7 +28,7 @@ class Tok:
     + [(True, "no", 8, False), (False, "no", 8, False)],
 )
 def test_bos_policy(adds: bool, bos: str, first: int, prepended: bool) -> None:
-    ids, has = _tokenize(Tok(adds), "the GPL text", bos)
+    ids, has = tokenize(Tok(adds), "the GPL text", bos)
     assert has is prepended and int(ids[0, 0]) == first
     assert ids[0, -2:].tolist() == [8, 9]  # the text itself is untouched
     assert ids.shape[1] == 3 + int(prepended)
@@ -36,6 +36,6 @@ def test_bos_policy(adds: bool, bos: str, first: int, prepended: bool) -> None:
 
 def test_bos_errors() -> None:
     with pytest.raises(ValueError, match="defines no BOS"):
-        _tokenize(Tok(False, bos_token_id=None), "text", "yes")
+        tokenize(Tok(False, bos_token_id=None), "text", "yes")
     with pytest.raises(ValueError, match="auto, yes, no"):
-        _tokenize(Tok(False), "text", "maybe")
+        tokenize(Tok(False), "text", "maybe")

@@ -13,20 +13,28 @@ from pathlib import Path
 from typing import Any
 
 
+def _llama_shape(head_dim: int, num_layers: int, num_heads: int, num_kv_heads: int) -> dict[str, Any]:
+    """The ``config.json`` fields of a small bfloat16 Llama with SmolLM2's vocabulary (the MLP twice
+    the hidden size)."""
+    return {
+        "hidden_size": num_heads * head_dim,
+        "intermediate_size": 2 * num_heads * head_dim,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "num_hidden_layers": num_layers,
+        "vocab_size": 49152,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16",
+    }
+
+
 def write_config_only(folder: Path, **overrides: Any) -> Path:
     """A Llama ``config.json`` (2 layers, head_dim 64 unless overridden) in ``folder``; returns it."""
     cfg: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "num_hidden_layers": 2,
-        "vocab_size": 49152,
-        "max_position_embeddings": 4096,
-        "torch_dtype": "bfloat16",
+        **_llama_shape(head_dim=64, num_layers=2, num_heads=4, num_kv_heads=2),
         "rms_norm_eps": 1e-5,
     }
     cfg.update(overrides)
@@ -46,17 +54,7 @@ def make_tiny_llama(
 
     src = Path(resolve_model("smollm2-135m"))
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=num_heads * head_dim,
-        intermediate_size=2 * num_heads * head_dim,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        num_hidden_layers=num_layers,
-        vocab_size=49152,
-        max_position_embeddings=4096,
-        torch_dtype="bfloat16",
-    )
+    config = LlamaConfig(**_llama_shape(head_dim, num_layers, num_heads, num_kv_heads))
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
     for f in src.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
