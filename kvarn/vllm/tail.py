@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -183,12 +183,14 @@ class TailMoves:
     ``slots``: scratch tiles this step uses (``[slots, H, T, D]`` keys and values, see
     :func:`kvarn.vllm.forward.run_layer`); ``loads``: ``(slot, row, block, offset)`` ``[n]`` int64
     each, the staged rows read from pages into scratch before anything else; ``saves``: ``(token,
-    block, offset)`` ``[m]`` int64 each, this step's rows written into pages at the end.
+    block, offset)`` ``[m]`` int64 each, this step's rows written into pages at the end. Every layer
+    of a step moves the same rows, so the index tensors built for them are kept (``index``).
     """
 
     slots: int
     loads: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
     saves: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    index: dict[tuple[Any, ...], tuple[torch.Tensor]] = field(default_factory=dict, repr=False)
 
 
 def plan_tails(
@@ -252,17 +254,62 @@ def plan_tails(
     return plans, TailMoves(slots, tensors(loads), tensors(saves))
 
 
+def _words(pages: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """``pages`` ``[NB, H, page_bytes]`` uint8 viewed in the widest integer type that divides a row
+    and that the view's strides and offset allow (a row then moves as 32 int64 words, not 256 bytes)."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if row_bytes % dtype.itemsize == 0:
+            try:
+                return pages.view(dtype)
+            except RuntimeError:
+                continue
+    return pages
+
+
+def _cached(moves: TailMoves, key: tuple[Any, ...], build: Any) -> torch.Tensor:
+    """``moves.index[key]``, built by ``build()`` for the step's first layer (every layer moves the same rows)."""
+    if key not in moves.index:
+        moves.index[key] = (build(),)
+    return moves.index[key][0]
+
+
 def load_rows(
     pages: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor], moves: TailMoves, layout: TailLayout
 ) -> None:
     """Copy the staged rows of ``moves.loads`` from ``pages`` ``[NB, H, page_bytes]`` uint8 into the
-    scratch tiles ``[slots, H, T, D]`` (keys, values)."""
+    scratch tiles ``[slots, H, T, D]`` (keys, values).
+
+    Rows are read as whole memory rows: ``pages`` (in words, last axis contiguous) is seen as the
+    overlapping windows ``[extent - W + 1, W]`` of ``W`` words starting at every word, and the
+    windows that start where a row starts are selected (one contiguous copy per row and head)."""
     if moves.loads is None:
         return
     slot, row, block, off = moves.loads
     k, v = scratch
-    rows = layout.rows_view(pages)[block, :, off].contiguous().view(layout.dtype)  # [n, H, 2 * D]
-    d = layout.head_dim
+    words = _words(pages, layout.row_bytes)
+    (nb, h, _), (s0, s1, s2) = words.shape, words.stride()
+    per_row = layout.row_bytes // words.dtype.itemsize
+    if s2 != 1:
+        raise ValueError(f"kvarn: the pages' last axis must be contiguous, got strides {words.stride()}")
+    extent = (nb - 1) * s0 + (h - 1) * s1 + words.shape[2]
+    windows = words.as_strided((extent - per_row + 1, per_row), (1, 1), words.storage_offset())
+
+    def starts() -> torch.Tensor:
+        heads = torch.arange(h, device=block.device)[None, :] * s1
+        return (block[:, None] * s0 + heads + off[:, None] * per_row).flatten()
+
+    at = _cached(moves, ("load", h, per_row, s0, s1, words.device), starts)
+    rows = windows.index_select(0, at).view(-1, h, per_row).view(layout.dtype)  # [n, H, 2 * D]
+    d, t = layout.head_dim, k.shape[2]
+    if k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == layout.dtype:
+
+        def dst() -> torch.Tensor:
+            return ((slot[:, None] * h + torch.arange(h, device=slot.device)) * t + row[:, None]).flatten()
+
+        to = _cached(moves, ("scratch", h, t, k.device), dst)
+        k.view(-1, d).index_copy_(0, to, rows[..., :d].reshape(-1, d))
+        v.view(-1, d).index_copy_(0, to, rows[..., d:].reshape(-1, d))
+        return
     k[slot, :, row] = rows[..., :d].to(k.dtype)
     v[slot, :, row] = rows[..., d:].to(v.dtype)
 
