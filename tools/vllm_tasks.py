@@ -77,8 +77,8 @@ class Run:
     seconds: float
 
     @property
-    def mean_divergence(self) -> float:
-        return sum(self.divergence) / len(self.divergence) if self.divergence else float("nan")
+    def mean_divergence(self) -> float | None:
+        return sum(self.divergence) / len(self.divergence) if self.divergence else None
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "mean_divergence": self.mean_divergence}
@@ -239,9 +239,17 @@ def write_json(runs: Sequence[Run], path: Path, meta: dict[str, Any]) -> None:
 
 
 def read_json(path: Path) -> list[Run]:
-    """The runs :func:`write_json` wrote (``meta`` and derived keys dropped)."""
+    """The runs :func:`write_json` wrote (``meta`` and derived keys dropped), or the needle results of
+    ``kvarn eval --task needle --json`` (``fp16`` read as ``auto``; no drift tokens)."""
     fields = Run.__dataclass_fields__
-    return [Run(**{k: v for k, v in row.items() if k in fields}) for row in json.loads(path.read_text())]
+    runs = []
+    for row in json.loads(path.read_text()):
+        if "scheme" in row:  # kvarn eval --task needle
+            name = DEFAULT if row["scheme"] == "fp16" else row["scheme"]
+            runs.append(Run(name, row["lengths"], row["retrieved"], row["answers"], [], [], row["seconds"]))
+        else:
+            runs.append(Run(**{k: v for k, v in row.items() if k in fields}))
+    return runs
 
 
 def _dtypes(text: str) -> list[str]:
@@ -310,7 +318,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         nargs=2,
         type=Path,
         metavar=("A.json", "B.json"),
-        help="run nothing: compare two --json files of the same prompts, dtype by dtype",
+        help="run nothing: compare two --json files of the same prompts, dtype by dtype (either may be "
+        "kvarn eval --task needle's JSON)",
     )
     return p.parse_args(argv)
 

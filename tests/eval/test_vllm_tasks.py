@@ -99,3 +99,15 @@ def test_compare_two_runs_token_by_token(tool: Any, tmp_path: Path) -> None:
     md = tool.format_comparison(a2, b2, markdown=True).splitlines()
     assert len(md) == 3  # only the dtype in both
     assert md[2] == "| kvarn_k4v2_g128 | 2/2 (`11`); 1/1 (`1`) | 1/2 (`10`); 1/1 (`1`) | 2/3 | 2.0 | 2 2 |"
+
+
+def test_compare_reads_kvarn_eval_needle_json(tool: Any, tmp_path: Path) -> None:
+    row = {"scheme": "fp16", "bits_per_element": 16.0, "lengths": [64], "depths": [0.0, 1.0], "keys": [1, 2]}
+    row |= {"retrieved": [[True, False]], "answers": [[" 1.", " no"]], "seconds": 1.0, "rates": [0.5]}
+    (tmp_path / "needle.json").write_text(json.dumps([row]))
+    (run,) = tool.read_json(tmp_path / "needle.json")
+    assert (run.dtype, run.retrieved, run.drift) == ("auto", [[True, False]], [])
+    assert run.mean_divergence is None
+    served = tool.Run("auto", [64], [[True, True]], [[" 1.", " 2."]], [], [], 2.0)
+    md = tool.format_comparison([served], [run], markdown=True).splitlines()
+    assert md[2] == "| auto | 2/2 (`11`) | 1/2 (`10`) | 1/2 | - | - |"
