@@ -66,12 +66,6 @@ class TailLayout:
         x = self.blocks * self.rows_per_page - 1 - row
         return tile + 1 + x // self.rows_per_page, x % self.rows_per_page
 
-    def rows_view(self, pages: torch.Tensor) -> torch.Tensor:
-        """``pages`` ``[NB, H, page_bytes]`` uint8 as ``[NB, H, rows_per_page, row_bytes]`` uint8 (a view)."""
-        nb, h = pages.shape[0], pages.shape[1]
-        rows = pages[:, :, : self.rows_per_page * self.row_bytes]
-        return rows.as_strided((nb, h, self.rows_per_page, self.row_bytes), (*rows.stride()[:2], self.row_bytes, 1))
-
 
 def tail_layout(
     scheme: Scheme, head_dim: int, num_layers: int, dtype: torch.dtype, max_rollback: int = 0
@@ -273,19 +267,12 @@ def _cached(moves: TailMoves, key: tuple[Any, ...], build: Any) -> torch.Tensor:
     return moves.index[key][0]
 
 
-def load_rows(
-    pages: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor], moves: TailMoves, layout: TailLayout
-) -> None:
-    """Copy the staged rows of ``moves.loads`` from ``pages`` ``[NB, H, page_bytes]`` uint8 into the
-    scratch tiles ``[slots, H, T, D]`` (keys, values).
-
-    Rows are read as whole memory rows: ``pages`` (in words, last axis contiguous) is seen as the
-    overlapping windows ``[extent - W + 1, W]`` of ``W`` words starting at every word, and the
-    windows that start where a row starts are selected (one contiguous copy per row and head)."""
-    if moves.loads is None:
-        return
-    slot, row, block, off = moves.loads
-    k, v = scratch
+def _row_windows(
+    pages: torch.Tensor, moves: TailMoves, kind: str, block: torch.Tensor, off: torch.Tensor, layout: TailLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pages`` (in words, last axis contiguous) as the overlapping windows ``[extent - W + 1, W]`` of
+    ``W`` words (one row) starting at every word, and the ``[n * H]`` windows where the rows
+    ``(block, off)`` of every head start: one contiguous copy per row and head moves them."""
     words = _words(pages, layout.row_bytes)
     (nb, h, _), (s0, s1, s2) = words.shape, words.stride()
     per_row = layout.row_bytes // words.dtype.itemsize
@@ -298,8 +285,23 @@ def load_rows(
         heads = torch.arange(h, device=block.device)[None, :] * s1
         return (block[:, None] * s0 + heads + off[:, None] * per_row).flatten()
 
-    at = _cached(moves, ("load", h, per_row, s0, s1, words.device), starts)
-    rows = windows.index_select(0, at).view(-1, h, per_row).view(layout.dtype)  # [n, H, 2 * D]
+    return windows, _cached(moves, (kind, h, per_row, s0, s1, words.device), starts)
+
+
+def load_rows(
+    pages: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor], moves: TailMoves, layout: TailLayout
+) -> None:
+    """Copy the staged rows of ``moves.loads`` from ``pages`` ``[NB, H, page_bytes]`` uint8 into the
+    scratch tiles ``[slots, H, T, D]`` (keys, values).
+
+    Rows move as whole memory rows (:func:`_row_windows`)."""
+    if moves.loads is None:
+        return
+    slot, row, block, off = moves.loads
+    k, v = scratch
+    windows, at = _row_windows(pages, moves, "load", block, off, layout)
+    h = pages.shape[1]
+    rows = windows.index_select(0, at).view(-1, h, windows.shape[1]).view(layout.dtype)  # [n, H, 2 * D]
     d, t = layout.head_dim, k.shape[2]
     if k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == layout.dtype:
 
@@ -321,8 +323,12 @@ def save_rows(
     if moves.saves is None:
         return
     token, block, off = moves.saves
-    rows = torch.cat([key.index_select(0, token), value.index_select(0, token)], dim=-1)  # [m, H, 2 * D]
-    layout.rows_view(pages)[block, :, off] = rows.to(layout.dtype).view(torch.uint8)
+    rows = torch.cat([key.index_select(0, token), value.index_select(0, token)], dim=-1).to(
+        layout.dtype
+    )  # [m, H, 2 * D]
+    windows, at = _row_windows(pages, moves, "save", block, off, layout)
+    # distinct rows never share a word, so writing through the overlapping windows is well defined
+    windows.index_copy_(0, at, rows.view(windows.dtype).view(-1, windows.shape[1]))
 
 
 class Scratch:
