@@ -43,6 +43,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvarn.eval.bos import BOS_CHOICES  # noqa: E402
+from kvarn.eval.cli import add_count  # noqa: E402
 from kvarn.eval.metrics import leading_matches  # noqa: E402
 from kvarn.eval.needle import ANSWER_TOKENS, NeedlePrompt, retrieved  # noqa: E402
 
@@ -279,31 +281,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "first (default: auto,kvarn_k4v2_g128,kvarn_k4v4_g128)",
     )
     p.add_argument("--lengths", type=_counts, default=[2048], help="needle prompt lengths (default 2048; '' for none)")
-    p.add_argument("--depths", type=int, default=10, help="needle depths per length (default 10)")
-    p.add_argument("--prompts", type=int, default=3, help="drift prompts (default 3; 0 for none)")
-    p.add_argument("--prompt-tokens", type=int, default=256, help="drift tokens per prompt (default 256)")
-    p.add_argument("--drift-tokens", type=int, default=512, help="drift: tokens generated per prompt (default 512)")
+    add_count(p, "--depths", 1, 10, "needle depths per length")
+    add_count(p, "--prompts", 0, 3, "drift prompts, 0 for none")
+    add_count(p, "--prompt-tokens", 1, 256, "drift tokens per prompt")
+    add_count(p, "--drift-tokens", 1, 512, "drift: tokens generated per prompt")
     p.add_argument(
         "--model-dtype",
         default="bfloat16",
         choices=("bfloat16", "float32"),
         help="the served model's weights and activations (default bfloat16, SmolLM2's own; the harness runs float32)",
     )
-    p.add_argument(
-        "--batched-tokens",
-        type=int,
-        default=2048,
-        help="vLLM's max_num_batched_tokens, at least the longest request (default 2048)",
-    )
-    p.add_argument("--bos", default="auto", choices=("auto", "yes", "no"), help="as kvarn eval --bos (default auto)")
-    p.add_argument(
+    add_count(p, "--batched-tokens", 1, 2048, "vLLM's max_num_batched_tokens, at least the longest request")
+    p.add_argument("--bos", default="auto", choices=BOS_CHOICES, help="as kvarn eval --bos (default auto)")
+    add_count(
+        p,
         "--threads",
-        type=int,
-        default=0,
-        help="OpenMP threads of the engine, unbound (OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND=nobind); "
-        "0: vLLM's own binding (default)",
+        0,
+        0,
+        "OpenMP threads of the engine, unbound (OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND=nobind); "
+        "0: vLLM's own binding",
     )
-    p.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE in GiB (default 1)")
+    add_count(p, "--kv-gib", 1, 1, "VLLM_CPU_KVCACHE_SPACE in GiB")
     p.add_argument(
         "--backend",
         default="vllm",

@@ -63,7 +63,7 @@ def _positive(what: str, minimum: int) -> Any:
     return parse
 
 
-def _add_count(p: argparse.ArgumentParser, flag: str, minimum: int, default: int, what: str) -> None:
+def add_count(p: argparse.ArgumentParser, flag: str, minimum: int, default: int, what: str) -> None:
     """Add the option ``flag``: an integer of at least ``minimum``, ``default`` when absent; its help is
     ``what`` and the default."""
     p.add_argument(flag, type=_positive(flag, minimum), default=default, help=f"{what} (default {default})")
@@ -110,8 +110,8 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--text", type=Path, help="UTF-8 text file (default: the bundled GPL-3, then Apache-2.0; 9,881 SmolLM2 tokens)"
     )
-    _add_count(p, "--tokens", 2, 2048, "first N tokens")
-    _add_count(p, "--chunk", 1, 128, "tokens per forward pass")
+    add_count(p, "--tokens", 2, 2048, "first N tokens")
+    add_count(p, "--chunk", 1, 128, "tokens per forward pass")
     p.add_argument(
         "--greedy-tokens", type=_positive("--greedy-tokens", 0), default=256, help="greedy continuation (0: none)"
     )
@@ -121,10 +121,10 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=list(needle.DEFAULT_LENGTHS),
         help="needle: prompt lengths in tokens (default 2048,4096,8192)",
     )
-    _add_count(p, "--depths", 1, needle.DEFAULT_DEPTHS, "needle: depths per length, evenly spaced from start to end")
-    _add_count(p, "--prompts", 1, drift.DEFAULT_PROMPTS, "drift: prompts")
-    _add_count(p, "--prompt-tokens", 1, drift.DEFAULT_PROMPT_TOKENS, "drift: tokens per prompt, from the text")
-    _add_count(p, "--drift-tokens", 1, drift.DEFAULT_TOKENS, "drift: tokens generated from each prompt")
+    add_count(p, "--depths", 1, needle.DEFAULT_DEPTHS, "needle: depths per length, evenly spaced from start to end")
+    add_count(p, "--prompts", 1, drift.DEFAULT_PROMPTS, "drift: prompts")
+    add_count(p, "--prompt-tokens", 1, drift.DEFAULT_PROMPT_TOKENS, "drift: tokens per prompt, from the text")
+    add_count(p, "--drift-tokens", 1, drift.DEFAULT_TOKENS, "drift: tokens generated from each prompt")
     p.add_argument("--json", type=Path, help="write one JSON object per scheme to this file")
     p.add_argument("--plot", type=Path, help="write the Pareto plot (bits/element vs KL) to this PNG")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
