@@ -184,7 +184,7 @@ class TailMoves:
     slots: int
     loads: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
     saves: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    index: dict[tuple[Any, ...], tuple[torch.Tensor]] = field(default_factory=dict, repr=False)
+    index: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict, repr=False)
 
 
 def plan_tails(
@@ -263,8 +263,8 @@ def _words(pages: torch.Tensor, row_bytes: int) -> torch.Tensor:
 def _cached(moves: TailMoves, key: tuple[Any, ...], build: Any) -> torch.Tensor:
     """``moves.index[key]``, built by ``build()`` for the step's first layer (every layer moves the same rows)."""
     if key not in moves.index:
-        moves.index[key] = (build(),)
-    return moves.index[key][0]
+        moves.index[key] = build()
+    return moves.index[key]
 
 
 def _row_windows(
@@ -323,9 +323,8 @@ def save_rows(
     if moves.saves is None:
         return
     token, block, off = moves.saves
-    rows = torch.cat([key.index_select(0, token), value.index_select(0, token)], dim=-1).to(
-        layout.dtype
-    )  # [m, H, 2 * D]
+    rows = torch.cat([key.index_select(0, token), value.index_select(0, token)], dim=-1)  # [m, H, 2 * D]
+    rows = rows.to(layout.dtype)
     windows, at = _row_windows(pages, moves, "save", block, off, layout)
     # distinct rows never share a word, so writing through the overlapping windows is well defined
     windows.index_copy_(0, at, rows.view(windows.dtype).view(-1, windows.shape[1]))

@@ -61,17 +61,18 @@ def test_addresses_stay_in_the_lookahead_and_survive_the_next_tile(rows: int) ->
     assert mine & {layout.address(4, r) for r in range(t)}  # later rows of the next tile do reuse them
 
 
-def _run_steps(steps: list[tuple[int, int]], layout: TailLayout, seed: int = 0, pad: int = 5) -> None:
+def _run_steps(steps: list[tuple[int, int]], layout: TailLayout, seed: int = 0, pad: int = 5) -> int:
     """Run ``(ctx, q_len)`` steps of one request through plan/load/save; after each step check that
     what the next step loads equals the exact rows of those positions (the rows of the step that
     wrote them last: a rolled-back position is written again). Pages are ``pad`` bytes longer than
     their rows (5: rows move as bytes into float32 scratch; 16: as int64 words into scratch of the
-    rows' dtype, copied whole)."""
+    rows' dtype, copied whole). Returns how many loaded rows were compared."""
     t, h, d = layout.group_size, 2, layout.head_dim
     blocks = [9, 3, 7, 1, 12, 5, 8, 2, 11, 4, 10, 6, 13]  # the request's block row: tiles, then ahead
     pages = torch.full((14, h, layout.rows_per_page * layout.row_bytes + pad), 255, dtype=torch.uint8)
     truth: dict[int, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(seed)
+    compared = 0
     for ctx, q_len in steps:
         seq = ctx + q_len
         plans, moves = plan_tails([0, q_len], [seq], [blocks], layout, torch.device("cpu"))
@@ -85,9 +86,11 @@ def _run_steps(steps: list[tuple[int, int]], layout: TailLayout, seed: int = 0, 
             want = truth[ctx - ctx % t + r]
             torch.testing.assert_close(scratch[0][p.read_slot, :, r].float(), want[0], rtol=0, atol=0)
             torch.testing.assert_close(scratch[1][p.read_slot, :, r].float(), want[1], rtol=0, atol=0)
+            compared += 1
         save_rows(pages, k, v, moves, layout)
         for i in range(q_len):
             truth[ctx + i] = (k[i].bfloat16().float(), v[i].bfloat16().float())
+    return compared
 
 
 @pytest.mark.parametrize("pad", [5, 16])
@@ -97,7 +100,8 @@ def test_rows_round_trip_through_chunks_decode_and_rollbacks(pad: int) -> None:
     steps += [(122, 4), (125, 4)]  # rolled back to 122, then a step that completes tile 0 and starts tile 1
     steps += [(126, 4), (127, 1)]  # rolled back into tile 0 twice: its rows must still be there
     steps += [(128, 3), (129, 200), (329, 1), (330, 50), (380, 4), (381, 2)]  # across tiles, decode
-    _run_steps(steps, layout, pad=pad)
+    # every step loaded and matched the staged rows of its partial tile (1,219 rows in all)
+    assert _run_steps(steps, layout, pad=pad) == sum(ctx % 128 for ctx, _ in steps) == 1219
 
 
 def test_a_step_over_many_tiles_saves_only_what_later_steps_read() -> None:
