@@ -1,0 +1,140 @@
+"""tools/bench_serving.py without an engine: workloads, client arguments, parsing, summary, table, doc."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tool(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = _tool("bench_serving")
+
+RESULT = {  # the fields of a `vllm bench serve --save-result` JSON that are read, plus some that are not
+    "duration": 120.5, "completed": 16, "failed": 0, "total_input_tokens": 16384, "total_output_tokens": 2048,
+    "request_throughput": 0.1328, "output_throughput": 17.0, "median_ttft_ms": 41000.0, "p99_ttft_ms": 80000.0,
+    "median_tpot_ms": 420.0, "p99_tpot_ms": 610.0, "p50_ttft_ms": 41000.0, "median_itl_ms": 400.0,
+}  # fmt: skip
+
+
+def test_workloads_scale_and_keep_the_issue_sizes() -> None:
+    w = bench.WORKLOADS
+    assert (w["burst"].num_prompts, w["burst"].input_len, w["burst"].output_len) == (48, 3000, 256)
+    assert w["burst"].max_concurrency == 48 and w["burst-long"].output_len == 1024
+    assert w["one-at-a-time"].max_concurrency == 1 and w["shared-prefix"].prefix_len == 2048
+    assert len({x.seed for x in w.values()}) == len(w)  # no two workloads send the same prompts
+    s = bench.scaled(w["burst"], num_prompts=16, input_len=1024, output_len=128, latency_prompts=2)
+    assert (s.num_prompts, s.input_len, s.output_len, s.max_concurrency) == (16, 1024, 128, 16)
+    d = bench.scaled(w["one-at-a-time"], num_prompts=16, latency_prompts=2)
+    assert (d.num_prompts, d.max_concurrency, d.input_len) == (2, 1, 3000)
+    assert bench.scaled(w["burst"], prefix_len=128).prefix_len == 0  # only the shared-prefix workload has one
+    with pytest.raises(ValueError, match="shorter than the prompt"):
+        bench.scaled(w["shared-prefix"], input_len=1024)
+
+
+def test_bench_arguments_per_dataset(tmp_path: Path) -> None:
+    url, name = "http://127.0.0.1:8000", "r.json"
+    a = bench.bench_args(bench.scaled(bench.WORKLOADS["burst"], 4, 256, 32), url, "m", "tok", tmp_path, name)
+
+    def value(args: list[str], flag: str) -> str:
+        return args[args.index(flag) + 1]
+
+    assert a[:2] == ["bench", "serve"] and "--ignore-eos" in a and "--save-result" in a
+    assert value(a, "--dataset-name") == "random" and value(a, "--random-input-len") == "256"
+    assert value(a, "--random-output-len") == "32" and value(a, "--max-concurrency") == "4"
+    assert value(a, "--result-dir") == str(tmp_path) and value(a, "--result-filename") == name
+    p = bench.bench_args(bench.scaled(bench.WORKLOADS["shared-prefix"], 4, 256, 32, prefix_len=128), url, "m", "t",
+                         tmp_path, name)  # fmt: skip
+    assert value(p, "--dataset-name") == "prefix_repetition"
+    assert value(p, "--prefix-repetition-prefix-len") == "128" and value(p, "--prefix-repetition-suffix-len") == "128"
+    assert value(p, "--prefix-repetition-num-prefixes") == "1" and value(p, "--prefix-repetition-output-len") == "32"
+
+
+def test_parse_result_reads_figures_and_refuses_failures() -> None:
+    r = bench.parse_result(RESULT)
+    assert r["output_tok_per_s"] == 17.0 and r["ttft_p99_ms"] == 80000.0 and r["tpot_p50_ms"] == 420.0
+    with pytest.raises(ValueError, match="2 of 18 requests failed"):
+        bench.parse_result({**RESULT, "failed": 2})
+    with pytest.raises(ValueError, match="p99_tpot_ms"):
+        bench.parse_result({k: v for k, v in RESULT.items() if k != "p99_tpot_ms"})
+
+
+def test_server_log_and_metrics_parsing() -> None:
+    log = (
+        "INFO [kv_cache_utils.py:1] CPU KV cache size: 45,656 tokens, Maximum concurrency for 8,192 tokens "
+        "per request: 5.57x\n"
+        "INFO [loggers.py:2] Engine 000: Avg prompt throughput: 1800.2 tokens/s, Avg generation throughput: 0.0 "
+        "tokens/s, Running: 15 reqs, Waiting: 33 reqs, GPU KV cache usage: 99.1%\n"
+        "INFO [loggers.py:2] Engine 000: ... Running: 9 reqs, Waiting: 0 reqs\n"
+    )
+    assert bench.kv_tokens_from_log(log) == 45656 and bench.peak_running(log) == 15
+    assert bench.kv_tokens_from_log("nothing") is None and bench.peak_running("") is None
+    metrics = (
+        "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.\n"
+        "# TYPE vllm:num_preemptions_total counter\n"
+        'vllm:num_preemptions_total{engine="0",model_name="m"} 7.0\n'
+        'vllm:num_preemptions_created{engine="0",model_name="m"} 1.7649e+09\n'
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+    )
+    assert bench.preemptions_from_metrics(metrics) == 7 and bench.preemptions_from_metrics("") == 0
+
+
+def test_run_order_alternates() -> None:
+    assert bench.run_order(["A", "B"], 3) == [(0, "A"), (0, "B"), (1, "B"), (1, "A"), (2, "A"), (2, "B")]
+
+
+def _row(cache: str, rep: int, tok_s: float, ttft: float, kv: int) -> dict[str, Any]:
+    w = bench.scaled(bench.WORKLOADS["burst"], 16, 1024, 128)
+    return {"model": "smollm2-135m", "workload": w.name, "letter": w.letter, "kv_cache_dtype": cache, "repeat": rep,
+            "num_prompts": w.num_prompts, "input_len": w.input_len, "output_len": w.output_len, "prefix_len": 0,
+            "max_concurrency": w.max_concurrency, **bench.parse_result(RESULT), "output_tok_per_s": tok_s,
+            "ttft_p50_ms": ttft, "kv_tokens": kv, "peak_running": 16, "preemptions": rep}  # fmt: skip
+
+
+def test_summary_takes_medians_and_ratios_to_the_default(tmp_path: Path) -> None:
+    rows = [_row("auto", 0, 10.0, 4000, 45656), _row("kvarn_k4v2_g128", 0, 6.0, 8000, 204448),
+            _row("kvarn_k4v2_g128", 1, 8.0, 6000, 204448), _row("auto", 1, 12.0, 2000, 45656)]  # fmt: skip
+    s = {r["kv_cache_dtype"]: r for r in bench.summarize(rows)}
+    assert s["auto"]["runs"] == 2 and s["auto"]["output_tok_per_s"] == 11.0 and s["auto"]["preemptions"] == 1
+    k = s["kvarn_k4v2_g128"]
+    assert k["output_tok_per_s_vs_default"] == round(7.0 / 11.0, 2) and k["ttft_p50_ms_vs_default"] == round(7 / 3, 2)
+    assert k["kv_tokens_vs_default"] == round(204448 / 45656, 2) and s["auto"]["output_tok_per_s_vs_default"] == 1.0
+    text = bench.table(bench.summarize(rows))
+    assert "| (a) burst | 16 x 1,024 + 128, all at once | `kvarn_k4v2_g128` | 2 | 7.0 | 0.64x |" in text
+    assert "204,448 | 4.48x |" in text and len(text.splitlines()) == 4
+    json.dumps(bench.summarize(rows))  # --json writes it
+
+
+def test_doc_section_is_replaced_between_markers(tmp_path: Path) -> None:
+    doc = tmp_path / "serving.md"
+    doc.write_text("# Serving\n\nintro\n\n<!-- serving:m -->\nold\n<!-- /serving:m -->\n\nafter\n")
+    bench.write_section(doc, "serving:m", "new")
+    bench.write_section(doc, "serving:other", "added")
+    text = doc.read_text()
+    assert "old" not in text and "<!-- serving:m -->\nnew\n<!-- /serving:m -->" in text
+    assert text.index("after") < text.index("<!-- serving:other -->") and text.startswith("# Serving\n\nintro")
+    argv = ["--model", "m", "--json", "x.json", "--log-dir", "d", "--no-doc", "--num-prompts", "4"]
+    assert bench._measuring_args(argv) == ["--model", "m", "--num-prompts", "4"]
+    body = bench.section(bench.summarize([_row("auto", 0, 1.0, 1.0, 1)]), argv, "2026-12-04 23:00 UTC", "cpu", "abc")
+    assert "at commit abc on cpu" in body and "`python tools/bench_serving.py --model m --num-prompts 4`" in body
+
+
+def test_realistic_model_flops_ratio() -> None:
+    model = _tool("realistic_model")
+    assert model.flops_per_kv_element(model.LLAMA_3_2_1B) == 118784
+    assert model.flops_per_kv_element(model.SMOLLM2) == 18432

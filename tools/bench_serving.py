@@ -1,0 +1,504 @@
+"""Serving benchmark as users run it: ``vllm serve`` with each KV cache, driven by ``vllm bench serve``.
+
+For each repeat and each cache (``--caches``; vLLM's 16-bit default ``auto`` and kvarn presets), in
+alternating order (A B, then B A, ...: drift on a shared machine falls on both caches alike), this
+starts ``vllm serve`` (the ``vllm`` next to this interpreter) on 127.0.0.1 with the same KV memory
+(``--kv-cache-memory-bytes``, ``--kv-gib`` GiB) and vLLM's server defaults otherwise, waits for
+``/health``, sends one short warm-up request, then runs each workload with vLLM's own client
+``vllm bench serve`` (``--ignore-eos``, a fixed seed per workload, so every cache gets the same
+prompts) and stops the server (its whole process group; also on errors and Ctrl-C). Per run: output
+tokens/s, requests/s, TTFT and TPOT p50/p99 from the client's saved JSON; the KV tokens vLLM logs
+(``KV cache size: N tokens``), the most requests the server's periodic stats line showed running at
+once, and the preemptions from ``/metrics`` (``vllm:num_preemptions``). Workloads (the letters of
+issue 31):
+
+- ``burst`` (a): 48 requests of 3,000 random prompt tokens + 256 output tokens, all at once;
+- ``burst-long`` (b): the same with 1,024 output tokens;
+- ``shared-prefix`` (c): 48 requests, all at once, sharing one 2,048-token prefix (``--prefix-len``)
+  with distinct random suffixes up to 3,000 tokens (vLLM's ``prefix_repetition`` dataset);
+- ``one-at-a-time`` (d): 8 requests (``--latency-prompts``), one at a time: latency.
+
+``--num-prompts``, ``--input-len`` and ``--output-len`` scale every workload (a 2-core CPU runs the
+full sizes for hours). Models (``--model``): ``smollm2-135m`` (the embedded SmolLM2, bf16 folder of
+``kvarn.models``) and ``llama1b-shapes`` (random weights at Llama-3.2-1B's layer shapes,
+``tools/realistic_model.py``, ``--layers``). Prints a progress line per run and the table, writes
+the rows with ``--json`` and replaces the model's section of ``docs/serving.md`` (``--no-doc``
+leaves it) with the command, date, commit, machine and table::
+
+    python tools/bench_serving.py --model smollm2-135m --workloads burst one-at-a-time \\
+        --num-prompts 16 --input-len 1024 --output-len 128 --latency-prompts 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "serving.md"
+VLLM = Path(sys.executable).with_name("vllm")  # the console script next to this interpreter
+MODELS = ("smollm2-135m", "llama1b-shapes")
+DEFAULT_CACHE = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One ``vllm bench serve`` load: ``num_prompts`` requests of ``input_len`` prompt tokens (the first
+    ``prefix_len`` of them shared by all) and ``output_len`` output tokens, ``concurrency`` at a time
+    (None: all at once)."""
+
+    name: str
+    letter: str
+    num_prompts: int
+    input_len: int
+    output_len: int
+    concurrency: int | None = None
+    prefix_len: int = 0
+    seed: int = 0
+
+    @property
+    def max_concurrency(self) -> int:
+        return self.concurrency or self.num_prompts
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload("burst", "a", 48, 3000, 256, seed=1),
+        Workload("burst-long", "b", 48, 3000, 1024, seed=2),
+        Workload("shared-prefix", "c", 48, 3000, 256, prefix_len=2048, seed=3),
+        Workload("one-at-a-time", "d", 8, 3000, 256, concurrency=1, seed=4),
+    )
+}
+
+
+def scaled(
+    w: Workload,
+    num_prompts: int | None = None,
+    input_len: int | None = None,
+    output_len: int | None = None,
+    latency_prompts: int | None = None,
+    prefix_len: int | None = None,
+) -> Workload:
+    """``w`` with the sizes given (None keeps its own). ``num_prompts`` applies to the concurrent
+    workloads, ``latency_prompts`` to the one-at-a-time one.
+
+    Raises:
+        ValueError: a shared prefix not shorter than the prompt.
+    """
+    prompts = latency_prompts if w.concurrency == 1 else num_prompts
+    out = dataclasses.replace(
+        w,
+        num_prompts=prompts or w.num_prompts,
+        input_len=input_len or w.input_len,
+        output_len=output_len or w.output_len,
+        prefix_len=(prefix_len or w.prefix_len) if w.prefix_len else 0,
+    )
+    if out.prefix_len and out.prefix_len >= out.input_len:
+        raise ValueError(
+            f"workload {w.name}: the shared prefix ({out.prefix_len} tokens) must be shorter than the prompt "
+            f"({out.input_len}); lower --prefix-len or raise --input-len"
+        )
+    return out
+
+
+def bench_args(w: Workload, base_url: str, model: str, tokenizer: str, result_dir: Path, result_file: str) -> list[str]:
+    """The arguments of ``vllm bench serve`` for workload ``w`` against a server at ``base_url``."""
+    args = ["bench", "serve", "--base-url", base_url, "--model", model, "--tokenizer", tokenizer]
+    if w.prefix_len:
+        args += ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(w.prefix_len),
+                 "--prefix-repetition-suffix-len", str(w.input_len - w.prefix_len),
+                 "--prefix-repetition-num-prefixes", "1", "--prefix-repetition-output-len", str(w.output_len)]  # fmt: skip
+    else:
+        args += ["--dataset-name", "random", "--random-input-len", str(w.input_len),
+                 "--random-output-len", str(w.output_len)]  # fmt: skip
+    args += ["--num-prompts", str(w.num_prompts), "--max-concurrency", str(w.max_concurrency), "--ignore-eos",
+             "--seed", str(w.seed), "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result_dir),
+             "--result-filename", result_file, "--disable-tqdm"]  # fmt: skip
+    return args
+
+
+def parse_result(data: dict[str, Any]) -> dict[str, Any]:
+    """The figures of a ``vllm bench serve --save-result`` JSON: throughput and latency percentiles (ms).
+
+    Raises:
+        ValueError: requests failed, or a field is missing (the message names it).
+    """
+    keys = {
+        "output_tok_per_s": "output_throughput",
+        "req_per_s": "request_throughput",
+        "ttft_p50_ms": "median_ttft_ms",
+        "ttft_p99_ms": "p99_ttft_ms",
+        "tpot_p50_ms": "median_tpot_ms",
+        "tpot_p99_ms": "p99_tpot_ms",
+        "duration_s": "duration",
+        "completed": "completed",
+        "total_output_tokens": "total_output_tokens",
+    }
+    missing = [v for v in keys.values() if v not in data]
+    if missing:
+        raise ValueError(f"vllm bench serve's result lacks {', '.join(missing)}")
+    if data.get("failed"):
+        raise ValueError(f"{data['failed']} of {data['completed'] + data['failed']} requests failed")
+    return {k: data[v] for k, v in keys.items()}
+
+
+KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
+RUNNING = re.compile(r"Running: (\d+) reqs")
+
+
+def kv_tokens_from_log(log: str) -> int | None:
+    """The KV capacity vLLM logged (``KV cache size: 45,656 tokens``; the last one), or None."""
+    found = KV_TOKENS.findall(log)
+    return int(found[-1].replace(",", "")) if found else None
+
+
+def peak_running(log: str) -> int | None:
+    """The most requests vLLM's periodic stats lines (``Running: 15 reqs``) show running, or None."""
+    found = RUNNING.findall(log)
+    return max(int(n) for n in found) if found else None
+
+
+def preemptions_from_metrics(text: str) -> int:
+    """``vllm:num_preemptions`` summed over engines, from Prometheus text (the counter's ``_total``
+    sample; ``_created`` timestamps ignored)."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(r"vllm:num_preemptions(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
+        if m:
+            total += float(m.group(1))
+    return int(total)
+
+
+def run_order(caches: list[str], repeats: int) -> list[tuple[int, str]]:
+    """``(repeat, cache)`` in the order the servers run: the caches in order, then reversed, ... (A B B A)."""
+    return [(r, c) for r in range(repeats) for c in (caches if r % 2 == 0 else caches[::-1])]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def _stop_group(proc: subprocess.Popen[Any], grace_s: float = 60) -> None:
+    """SIGINT to ``proc``'s process group (server, engine core, workers), SIGKILL after ``grace_s``;
+    returns once no process of the group is left."""
+    pgid = proc.pid
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def server(
+    model_dir: Path, served_name: str, cache: str, kv_bytes: int, log: Path, extra: list[str], ready_s: float = 1200
+) -> Iterator[str]:
+    """``vllm serve`` on a free loopback port; yields its base URL once ``/health`` answers, stops its
+    process group on exit."""
+    port = _free_port()
+    cmd = [str(VLLM), "serve", str(model_dir), "--served-model-name", served_name, "--host", "127.0.0.1",
+           "--port", str(port), "--kv-cache-dtype", cache, "--kv-cache-memory-bytes", str(kv_bytes),
+           "--seed", "0", *extra]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # it would override the flag
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + ready_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve not healthy in {ready_s:.0f} s:\n{log.read_text()[-4000:]}")
+            try:
+                _get(f"{url}/health", timeout=5)
+                break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(2)
+        yield url
+    finally:
+        _stop_group(proc)
+
+
+def _warm_up(url: str, served_name: str) -> None:
+    """One request of ~300 prompt tokens (bundled English text, unlike any benchmark prompt) and 8
+    output tokens: one-time costs (first calls, native kernels loaded) before anything is timed."""
+    text = (ROOT / "kvarn" / "data" / "gpl-3.txt").read_text()[:1200]
+    body = json.dumps({"model": served_name, "prompt": text, "max_tokens": 8, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        r.read()
+
+
+def _bench(args: list[str], log: Path, timeout_s: float) -> None:
+    """``vllm bench serve ARGS`` (its output to ``log``), killed with its group past ``timeout_s``."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(VLLM), *args], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"vllm bench serve ran past {timeout_s:.0f} s:\n{log.read_text()[-3000:]}") from None
+    finally:
+        if proc.poll() is None:
+            _stop_group(proc, grace_s=10)
+    if rc != 0:
+        raise RuntimeError(f"vllm bench serve exited with {rc}:\n{log.read_text()[-3000:]}")
+
+
+def model_folder(model: str, layers: int) -> Path:
+    """The bf16 folder ``vllm serve`` loads for ``model`` (built once)."""
+    from kvarn.models import resolve_model
+
+    if model == "smollm2-135m":
+        return resolve_model(model, dtype="bfloat16")
+    if model == "llama1b-shapes":
+        sys.path.insert(0, str(ROOT / "tools"))
+        from realistic_model import build
+
+        return build(layers)
+    raise ValueError(f"model={model!r}; allowed: {', '.join(MODELS)}")
+
+
+def run(
+    model: str,
+    caches: list[str],
+    workloads: list[Workload],
+    repeats: int = 1,
+    kv_gib: float = 1.0,
+    layers: int = 4,
+    serve_args: list[str] | None = None,
+    bench_timeout_s: float = 3600,
+    log_dir: Path | None = None,
+) -> list[dict[str, Any]]:
+    """One row per (repeat, cache, workload), in the order run (see module doc)."""
+    folder = model_folder(model, layers)
+    label = model if model == "smollm2-135m" else f"{model} ({layers} layers)"
+    kv_bytes = int(kv_gib * 2**30)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = log_dir or Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        order = run_order(caches, repeats)
+        for i, (rep, cache) in enumerate(order):
+            slog = logs / f"serve-{model}-{cache}-{rep}.log"
+            t0 = time.monotonic()
+            with server(folder, model, cache, kv_bytes, slog, serve_args or []) as url:
+                start_s = time.monotonic() - t0
+                _warm_up(url, model)
+                for w in workloads:
+                    offset = len(slog.read_text())
+                    before = preemptions_from_metrics(_get(f"{url}/metrics"))
+                    name = f"{model}-{cache}-{w.name}-{rep}.json"
+                    _bench(
+                        bench_args(w, url, model, str(folder), logs, name), logs / f"bench-{name}.log", bench_timeout_s
+                    )
+                    log = slog.read_text()
+                    row = {
+                        "model": label, "workload": w.name, "letter": w.letter, "kv_cache_dtype": cache, "repeat": rep,
+                        "num_prompts": w.num_prompts, "input_len": w.input_len, "output_len": w.output_len,
+                        "prefix_len": w.prefix_len, "max_concurrency": w.max_concurrency,
+                        **parse_result(json.loads((logs / name).read_text())),
+                        "kv_tokens": kv_tokens_from_log(log), "peak_running": peak_running(log[offset:]),
+                        "preemptions": preemptions_from_metrics(_get(f"{url}/metrics")) - before,
+                        "server_start_s": round(start_s, 1),
+                    }  # fmt: skip
+                    rows.append(row)
+                    print(
+                        f"[{i + 1}/{len(order)}] {label} {cache} {w.name} ({w.num_prompts} x {w.input_len}+"
+                        f"{w.output_len}, {w.max_concurrency} at once): {row['output_tok_per_s']:.1f} tok/s, "
+                        f"TTFT p50 {row['ttft_p50_ms'] / 1e3:.1f} s, TPOT p50 {row['tpot_p50_ms']:.0f} ms, "
+                        f"{row['kv_tokens']} KV tokens, {row['preemptions']} preemptions",
+                        flush=True,
+                    )
+    return rows
+
+
+SUMMED = ("output_tok_per_s", "req_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+
+
+def summarize(rows: list[dict[str, Any]], default: str = DEFAULT_CACHE) -> list[dict[str, Any]]:
+    """One row per (model, workload, cache): medians over repeats, the largest peak and preemption
+    count, and each cache's ratio to ``default``'s medians (``*_vs_default``; None without it)."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["workload"], r["kv_cache_dtype"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        s: dict[str, Any] = {k: runs[0][k] for k in ("model", "workload", "letter", "kv_cache_dtype", "num_prompts",
+                                                      "input_len", "output_len", "prefix_len", "max_concurrency")}  # fmt: skip
+        s["runs"] = len(runs)
+        for k in SUMMED:
+            s[k] = statistics.median(r[k] for r in runs)
+        s["kv_tokens"] = runs[0]["kv_tokens"]
+        peaks = [r["peak_running"] for r in runs if r["peak_running"] is not None]
+        s["peak_running"] = max(peaks) if peaks else None
+        s["preemptions"] = max(r["preemptions"] for r in runs)
+        out.append(s)
+    for s in out:
+        base = next((b for b in out if b["kv_cache_dtype"] == default and
+                     (b["model"], b["workload"]) == (s["model"], s["workload"])), None)  # fmt: skip
+        for k in ("output_tok_per_s", "req_per_s", "ttft_p50_ms", "tpot_p50_ms", "kv_tokens"):
+            ok = base is not None and base[k] and s[k] is not None
+            s[f"{k}_vs_default"] = round(s[k] / base[k], 2) if ok else None  # type: ignore[index]
+    return out
+
+
+def _ratio(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}x"
+
+
+def table(summary: list[dict[str, Any]]) -> str:
+    """A Markdown table of :func:`summarize` rows (times in seconds for TTFT, milliseconds for TPOT)."""
+    lines = [
+        "| workload | requests x prompt + output | cache | runs | output tok/s | vs default | requests/s "
+        "| TTFT p50 s | vs default | TTFT p99 s | TPOT p50 ms | vs default | TPOT p99 ms | KV tokens | vs default "
+        "| peak running | preemptions |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in summary:
+        shape = f"{s['num_prompts']} x {s['input_len']:,} + {s['output_len']:,}"
+        if s["prefix_len"]:
+            shape += f" ({s['prefix_len']:,} shared)"
+        shape += ", 1 at a time" if s["max_concurrency"] == 1 else ", all at once"
+        kv = "" if s["kv_tokens"] is None else f"{s['kv_tokens']:,}"
+        peak = "" if s["peak_running"] is None else str(s["peak_running"])
+        lines.append(
+            f"| ({s['letter']}) {s['workload']} | {shape} | `{s['kv_cache_dtype']}` | {s['runs']} "
+            f"| {s['output_tok_per_s']:.1f} | {_ratio(s['output_tok_per_s_vs_default'])} | {s['req_per_s']:.3f} "
+            f"| {s['ttft_p50_ms'] / 1e3:.1f} | {_ratio(s['ttft_p50_ms_vs_default'])} | {s['ttft_p99_ms'] / 1e3:.1f} "
+            f"| {s['tpot_p50_ms']:.0f} | {_ratio(s['tpot_p50_ms_vs_default'])} | {s['tpot_p99_ms']:.0f} "
+            f"| {kv} | {_ratio(s['kv_tokens_vs_default'])} | {peak} | {s['preemptions']} |"
+        )
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    """CPU model, its vector extensions that matter here, and the cores this process may use."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+    flags = re.search(r"^flags\s*:\s*(.+)$", info, re.M)
+    have = set(flags.group(1).split()) if flags else set()
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    simd = ", ".join(f for f in wanted if f in have) or "none of " + ", ".join(wanted)
+    return f"{name.group(1).strip() if name else 'unknown CPU'}, {cores} cores, {simd}"
+
+
+def commit() -> str:
+    """``git rev-parse --short HEAD``, with a note when ``kvarn/`` has uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvarn"], cwd=ROOT, capture_output=True,
+                               text=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + (" (with uncommitted changes in kvarn/)" if dirty else "")
+
+
+def write_section(doc: Path, name: str, body: str) -> None:
+    """Replace the text between ``<!-- name -->`` and ``<!-- /name -->`` in ``doc`` (appended if absent)."""
+    text = doc.read_text() if doc.exists() else "# Serving benchmark\n"
+    block = f"<!-- {name} -->\n{body}\n<!-- /{name} -->"
+    pattern = re.compile(rf"<!-- {re.escape(name)} -->.*?<!-- /{re.escape(name)} -->", re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    doc.write_text(text)
+
+
+def _measuring_args(argv: list[str]) -> list[str]:
+    """The arguments that change what is measured (``--json``, ``--log-dir``, ``--doc`` left out)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--json", "--log-dir", "--doc"):
+            skip = True
+        elif a != "--no-doc" and not a.startswith(("--json=", "--log-dir=", "--doc=")):
+            out.append(a)
+    return out
+
+
+def section(summary: list[dict[str, Any]], argv: list[str], when: str, where: str, rev: str) -> str:
+    cmd = "python tools/bench_serving.py " + " ".join(_measuring_args(argv))
+    return f"Measured {when} at commit {rev} on {where}:\n\n`{cmd}`\n\n{table(summary)}"
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through server(): its process group is stopped
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGTERM, _interrupt)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=MODELS, default="smollm2-135m")
+    p.add_argument("--layers", type=int, default=4, help="layers of llama1b-shapes (default 4)")
+    p.add_argument("--caches", nargs="+", default=[DEFAULT_CACHE, "kvarn_k4v2_g128"], help="--kv-cache-dtype values")
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--num-prompts", type=int, help="requests of the concurrent workloads (default 48)")
+    p.add_argument("--latency-prompts", type=int, help="requests of one-at-a-time (default 8)")
+    p.add_argument("--input-len", type=int, help="prompt tokens (default 3000)")
+    p.add_argument("--output-len", type=int, help="output tokens (default 256; burst-long 1024)")
+    p.add_argument("--prefix-len", type=int, help="shared prefix of shared-prefix (default 2048)")
+    p.add_argument("--repeats", type=int, default=1, help="servers per cache, alternating A B B A ...")
+    p.add_argument("--kv-gib", type=float, default=1.0, help="KV memory per server in GiB (default 1)")
+    p.add_argument("--serve-arg", action="append", default=[], help="extra `vllm serve` argument (repeatable)")
+    p.add_argument("--bench-timeout", type=float, default=3600, help="seconds a `vllm bench serve` run may take")
+    p.add_argument("--json", type=Path, help="write the rows and the summary as JSON here")
+    p.add_argument("--log-dir", type=Path, help="keep server and client logs and results here")
+    p.add_argument("--doc", type=Path, default=DOC, help="markdown file whose section is replaced")
+    p.add_argument("--no-doc", action="store_true", help="do not touch the markdown file")
+    a = p.parse_args(argv)
+    loads = [
+        scaled(WORKLOADS[n], a.num_prompts, a.input_len, a.output_len, a.latency_prompts, a.prefix_len)
+        for n in a.workloads
+    ]
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    rev, where = commit(), machine()
+    rows = run(a.model, a.caches, loads, a.repeats, a.kv_gib, a.layers, a.serve_arg, a.bench_timeout, a.log_dir)
+    summary = summarize(rows)
+    print(table(summary))
+    if a.json:
+        a.json.write_text(json.dumps({"commit": rev, "machine": where, "date": when, "argv": argv, "rows": rows,
+                                      "summary": summary}, indent=1))  # fmt: skip
+    if not a.no_doc:
+        write_section(a.doc, f"serving:{a.model}", section(summary, argv, when, where, rev))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
