@@ -23,11 +23,21 @@ def _rotation_cpu(kind: str, head_dim: int) -> torch.Tensor:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     h = h / head_dim**0.5
     if kind == "rhadamard":
-        gen = torch.Generator().manual_seed(RANDOM_SIGN_SEED + head_dim)
-        signs = torch.randint(0, 2, (head_dim,), generator=gen, dtype=torch.int64) * 2 - 1
-        h = signs.to(torch.float64)[:, None] * h
+        h = rotation_signs(kind, head_dim).to(torch.float64)[:, None] * h
     out: torch.Tensor = h.to(torch.float32)
     return out
+
+
+@functools.lru_cache(maxsize=32)
+def rotation_signs(kind: str, head_dim: int) -> torch.Tensor:
+    """The ``[head_dim]`` float32 signs ``s`` of ``"rhadamard"`` (``R = diag(s) H / sqrt(head_dim)``,
+    so ``x @ R`` is the Walsh-Hadamard transform of ``x * s``); all ones for ``"hadamard"``."""
+    if kind == "hadamard":
+        return torch.ones(head_dim)
+    if kind != "rhadamard":
+        raise ValueError(f"rotation={kind!r} has no signs; it is not one of: hadamard, rhadamard")
+    gen = torch.Generator().manual_seed(RANDOM_SIGN_SEED + head_dim)
+    return (torch.randint(0, 2, (head_dim,), generator=gen, dtype=torch.int64) * 2 - 1).to(torch.float32)
 
 
 def rotation_matrix(kind: str, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:

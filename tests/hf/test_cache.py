@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from kvarn.codec import dequantize_tiles, quantize_tiles
+from kvarn.codec import dequantize_tiles
 from kvarn.hf import KVarNCache, KVarNLayer, TileCommitter
+from kvarn.kernels.cpu import quantize_tiles_cpu
 from kvarn.schemes import Scheme, SchemeError, UnknownSchemeError
 
 from ._baselines import HalfGrid
@@ -41,9 +42,11 @@ def feed(cache: KVarNCache, k: torch.Tensor, v: torch.Tensor, sizes: list[int], 
 
 
 def roundtrip_tiles(x_k: torch.Tensor, x_v: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference: quantize ``[B, H, n*G, D]`` as tiles and decode them, same shape."""
+    """What the cache must read: ``[B, H, n*G, D]`` quantized as tiles by the committer's CPU encoder
+    (the native store; its tolerance against the reference codec: tests/kernels/test_cpu.py) and
+    decoded, same shape."""
     b, h, s, d = x_k.shape
-    rec = quantize_tiles(x_k.reshape(-1, scheme.group_size, d), x_v.reshape(-1, scheme.group_size, d), scheme)
+    rec = quantize_tiles_cpu(x_k.reshape(-1, scheme.group_size, d), x_v.reshape(-1, scheme.group_size, d), scheme)
     k, v = dequantize_tiles(rec, scheme, d)
     return k.reshape(b, h, s, d), v.reshape(b, h, s, d)
 

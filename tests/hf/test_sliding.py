@@ -16,8 +16,9 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from kvarn.codec import dequantize_tiles, quantize_tiles
+from kvarn.codec import dequantize_tiles
 from kvarn.hf import KVarNCache, KVarNLayer, TileCommitter, cache_geometry
+from kvarn.kernels.cpu import quantize_tiles_cpu
 from kvarn.schemes import Scheme
 
 from ._baselines import HalfGrid
@@ -68,12 +69,12 @@ def test_quantized_sliding_layer_drops_whole_tiles_behind_the_window() -> None:
     assert isinstance(layer.committer, TileCommitter) and layer.committer.records is not None
     tiles = start // g - first // g
     assert layer.committer.records.shape[2] == tiles
-    rec = quantize_tiles(
+    rec = quantize_tiles_cpu(  # the committer's CPU encoder
         k[:, :, first : first + tiles * g].reshape(-1, g, 64),
         v[:, :, first : first + tiles * g].reshape(-1, g, 64),
         scheme,
     )
-    assert torch.equal(layer.committer.records.reshape(-1, rec.shape[-1]), rec)  # the same bytes as the codec's
+    assert torch.equal(layer.committer.records.reshape(-1, rec.shape[-1]), rec)  # the same bytes as the encoder's
     kd, _ = dequantize_tiles(rec, scheme, 64)
     assert torch.equal(layer.done_k, kd.reshape(B, H, tiles * g, 64))
     tail = start - (start // g) * g
@@ -88,7 +89,7 @@ def test_full_layers_store_codec_records_at_every_head_dim(head_dim: int) -> Non
     k, v = kv(130, head_dim, seed=2)
     cache.update(k[:, :, :100], v[:, :, :100], 5)  # layer 5: full attention
     k_all, v_all = cache.update(k[:, :, 100:], v[:, :, 100:], 5)
-    rec = quantize_tiles(k[:, :, :128].reshape(-1, 64, head_dim), v[:, :, :128].reshape(-1, 64, head_dim), scheme)
+    rec = quantize_tiles_cpu(k[:, :, :128].reshape(-1, 64, head_dim), v[:, :, :128].reshape(-1, 64, head_dim), scheme)
     kd, vd = dequantize_tiles(rec, scheme, head_dim)
     assert torch.equal(k_all[:, :, :64], kd.reshape(B, H, 128, head_dim)[:, :, :64])  # committed before the 2nd update
     assert torch.equal(k_all[:, :, 64:], k[:, :, 64:])

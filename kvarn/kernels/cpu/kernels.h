@@ -27,11 +27,15 @@ struct DecodeArgs {
   void* out; int64_t out_sb, out_sh;
 };
 
-// Quantize full tiles into their records, as kvarn.codec.quantize_tiles.
+// Rotate and quantize full tiles into their records, as kvarn.codec.quantize_tiles.
 struct StoreArgs {
   int64_t N, H, T, D, KB, VB, LOG8, ITERS, NTHREADS;
   int64_t KC, VC, KS, KO, KF, VS, VO, VF;   // byte offsets of the record's sections
-  const float* keys; const float* values;   // rotated tiles [N * H, T, D] float32, contiguous
+  int64_t DTYPE;                            // of keys and values: 0 f32, 1 f16, 2 bf16
+  const void* keys; const void* values;     // unrotated tiles [N, H, T, D], D contiguous
+  int64_t k_sn, k_sh, k_st, v_sn, v_sh, v_st;  // element strides
+  int64_t ROTATE;                           // 0: none; 1: Hadamard (times signs, when not null)
+  const float* signs;                       // [D] or null
   uint8_t* cache; int64_t cache_sb, cache_sh;  // byte strides of [num_blocks, H, >= tile_bytes]
   const int64_t* block_ids;                 // [N]
   const float* lut;                         // [256] log8 values

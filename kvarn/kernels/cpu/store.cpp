@@ -1,13 +1,10 @@
-// Native CPU store: quantize rotated tiles into records, following kvarn.codec.tiles._encode_side
-// step for step (the contract and the tolerance: kvarn/kernels/cpu/store.py).
+// Native CPU store: quantize rotated tiles into records with the reference codec's algorithm
+// (kvarn.codec.tiles._encode_side) in float32 vector arithmetic (the contract and the tolerance:
+// kvarn/kernels/cpu/store.py).
+#include <memory>
+
 #include "kernels.h"
 #include "vec.h"
-
-#if defined(__clang__)
-#pragma clang fp contract(off) exceptions(ignore)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off", "no-trapping-math")  // no FMA; selects vectorize
-#endif
 
 using StoreArgs = kvarn::StoreArgs;
 
@@ -18,216 +15,311 @@ constexpr float kMinMagnitude = 6.103515625e-05f;  // 2**-14
 constexpr float kStdFloor = 1e-3f;
 constexpr float kTiny = 1e-30f;
 constexpr float kLog8Min = 1.0399892289569834e-06f;  // 2 ** ((1 - 160) / 8), as float32
+constexpr int64_t kMaxSide = 256;                    // largest group size and head dim
 
-// <cmath>/<algorithm> were declared before the pragma above and GCC does not inline a function into
-// one compiled with other options: the hot loops use these (and builtins) instead of std::
-inline float fmin_(float a, float b) { return a < b ? a : b; }
-inline float fmax_(float a, float b) { return a > b ? a : b; }
-inline float floor_(float x) { return __builtin_floorf(x); }
+// W-lane float vectors: 16 lanes where the CPU has AVX-512, 8 otherwise (GCC/Clang vector
+// extensions; pairs of SSE registers without AVX). Every row the loops below walk (group sizes and
+// head dims: 32..256) is a whole number of vectors.
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#else
+constexpr int W = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
+typedef uint8_t vb __attribute__((vector_size(W)));
+inline vf ld(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void st_(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf bc(float x) { return x - vf{}; }  // broadcast
+inline vf vmin(vf a, vf b) { return a < b ? a : b; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+// clamp(floor(u), 0, qmax) for finite u: truncation of u clamped to [0, qmax + 0.5]
+inline vf code_of(vf u, vf top) { return __builtin_convertvector(__builtin_convertvector(vmin(vmax(u, vf{}), top), vi), vf); }
 
-inline float exp_rn(float x) { return (float)std::exp((double)x); }
-inline float log_rn(float x) { return (float)std::log((double)x); }
-
-inline uint16_t half_bits(float x) {  // round to nearest even, x finite
-  return float_to_half(x);
+// float32 <-> fp16 bits (round to nearest even) over n elements, n a multiple of 8
+inline void to_half(const float* x, uint16_t* h, int64_t n) {
+#if defined(__F16C__)
+  for (int64_t i = 0; i < n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#else
+  for (int64_t i = 0; i < n; ++i) h[i] = float_to_half(x[i]);
+#endif
+}
+inline void from_half(const uint16_t* h, float* x, int64_t n) {
+#if defined(__F16C__)
+  for (int64_t i = 0; i < n; i += 8)
+    _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+#else
+  for (int64_t i = 0; i < n; ++i) x[i] = half_to_float(h[i]);
+#endif
 }
 
 // a non-negative float32 -> (stored raw value, the float32 it decodes to)
 inline void store_positive(float x, bool log8, bool round_up, const float* lut, uint32_t* raw, float* val) {
   if (!log8) {
-    uint16_t h = half_bits(std::min(std::max(x, 0.f), kFp16Max));
+    uint16_t h = float_to_half(std::min(std::max(x, 0.f), kFp16Max));
     float hv = half_to_float(h);
     if (round_up && hv < x && hv < kFp16Max) { ++h; hv = half_to_float(h); }
     *raw = h; *val = hv;
     return;
   }
-  float e = (float)std::log2((double)std::max(x, kLog8Min)) * 8.f;
+  float e = std::log2(std::max(x, kLog8Min)) * 8.f;
   e = round_up ? std::ceil(e - 1e-4f) : std::floor(e + 0.5f);
-  float c = std::min(std::max(e + 160.f, 1.f), 255.f);
-  uint32_t code = x > 0.f ? (uint32_t)c : 0u;
+  const float c = std::min(std::max(e + 160.f, 1.f), 255.f);
+  const uint32_t code = x > 0.f ? (uint32_t)c : 0u;
   *raw = code; *val = lut[code];
 }
 
-struct Side {  // one side of one tile, with its workspace
-  int64_t T, D, bits;
-  bool per_channel, log8;
-  const float* lut;
-  std::vector<float> x, xt, y, log_r, log_c, er, ec, stdv, f, s, q, o, best_f, best_s, best_q;
-  std::vector<double> acc, acc2;
-  std::vector<uint32_t> f_raw, s_raw, q_raw;
-  std::vector<uint8_t> codes;
+// One side (keys or values) of one tile and its workspace. Every loop over T * D elements runs along
+// a contiguous axis with per-row and per-column constants only, so the compiler vectorizes it at the
+// CPU's width (-march=native).
+//
+// The grid: keys are quantized per channel (scales per column of x [T, D]) with a normalization
+// factor per token (row); values per token (scales per column of xt [D, T]) with a factor per channel.
+struct Side {
+  int64_t T = 0, D = 0, bits = 0, iters = 0;
+  bool per_channel = false, log8 = false;
+  const float* lut = nullptr;
+  alignas(64) float x[kMaxSide * kMaxSide];   // [T, D]
+  alignas(64) float xt[kMaxSide * kMaxSide];  // [D, T]
+  alignas(64) float log_r[kMaxSide], log_c[kMaxSide], er[kMaxSide], ec[kMaxSide], stdv[kMaxSide];
+  alignas(64) float f[kMaxSide], inv_f[kMaxSide];                       // factors of the grid's rows
+  alignas(64) float s[kMaxSide], o[kMaxSide], inv_s[kMaxSide], bias[kMaxSide];  // of the grid's columns
+  alignas(64) float sum[kMaxSide], sum2[kMaxSide], tmp[kMaxSide];
+  alignas(64) uint16_t h16[kMaxSide];
+  uint32_t f_raw[kMaxSide], s_raw[kMaxSide], q_raw[kMaxSide];
+  float best_f[kMaxSide], best_s[kMaxSide], best_o[kMaxSide], best_inv_s[kMaxSide], best_bias[kMaxSide];
+  uint8_t codes[kMaxSide * kMaxSide];  // [T, D]
 
-  void fit() {
-    const int64_t L = std::max(T, D);
-    x.resize(T * D); xt.resize(T * D); y.resize(T * D); codes.resize(T * D);
-    for (auto* v : {&log_r, &log_c, &er, &ec, &stdv, &f, &s, &q, &o, &best_f, &best_s, &best_q}) v->resize(L);
-    acc.resize(L); acc2.resize(L); f_raw.resize(L); s_raw.resize(L); q_raw.resize(L);
-  }
-
-  // population std of y along rows of src [R, C] (y[r, c] = src[r, c] * (er[r] * ec[c])), per column, into
-  // stdv[C]: one pass of double sums of y and y^2 (a float32 y squared is exact in double, so the only
-  // rounding left is the sums', far below the float32 result's)
-  void col_std(const float* src, int64_t R, int64_t C, const float* rf, const float* cf) {
-    double* a = acc.data(); double* a2 = acc2.data();
-    std::fill(a, a + C, 0.0); std::fill(a2, a2 + C, 0.0);
-    for (int64_t r = 0; r < R; ++r) {
-      const float e = rf[r]; const float* xs = src + r * C;
-      for (int64_t c = 0; c < C; ++c) {
-        const double v = (double)(xs[c] * (e * cf[c]));
-        a[c] += v; a2[c] += v * v;
+  // population std per column of y[r, c] = src[r, c] * rf[r] * cf[c] over the R rows of src [R, C],
+  // into stdv[C]: sums of (y - y[0, c]) and its square (the shift keeps float32 sums of squares
+  // accurate when a column's mean is large against its spread). NB vectors of columns at a time, their
+  // sums held in registers down the rows.
+  template <int NB>
+  void col_std_block(const float* src, int64_t R, int64_t C, int64_t c0, const float* rf, const float* cf) {
+    vf cfv[NB], sh[NB], a[NB] = {}, a2[NB] = {};
+    for (int j = 0; j < NB; ++j) { cfv[j] = ld(cf + c0 + j * W); sh[j] = ld(src + c0 + j * W) * (bc(rf[0]) * cfv[j]); }
+    for (int64_t r = 1; r < R; ++r) {
+      const vf e = bc(rf[r]); const float* xs = src + r * C + c0;
+      for (int j = 0; j < NB; ++j) {
+        const vf v = ld(xs + j * W) * (e * cfv[j]) - sh[j];
+        a[j] += v; a2[j] += v * v;
       }
     }
-    for (int64_t c = 0; c < C; ++c) {
-      const double m = a[c] / (double)R, var = a2[c] / (double)R - m * m;
-      stdv[c] = (float)std::sqrt(var > 0.0 ? var : 0.0);
+    const vf inv_r = bc(1.f / (float)R);
+    for (int j = 0; j < NB; ++j) {
+      const vf m = a[j] * inv_r, var = a2[j] * inv_r - m * m;
+      st_(stdv + c0 + j * W, vmax(var, vf{}));
     }
   }
+  void col_std(const float* src, int64_t R, int64_t C, const float* rf, const float* cf) {
+    for (int64_t c0 = 0; c0 < C;) {
+      if (C - c0 >= 4 * W) { col_std_block<4>(src, R, C, c0, rf, cf); c0 += 4 * W; }
+      else { col_std_block<1>(src, R, C, c0, rf, cf); c0 += W; }
+    }
+    for (int64_t c = 0; c < C; ++c) stdv[c] = std::sqrt(stdv[c]);
+  }
 
-  // float32 mean in torch's CPU order for a contiguous row (n a multiple of 32: tiles and head dims
-  // are): four 8-lane accumulators, added one after the other, then the lanes in order; matched
-  // torch.mean bit for bit on 400 random rows of 64 and 128 (a double mean differs in two thirds)
-  static float torch_mean(const float* v, int64_t n) {
-    float acc[4][8] = {};
-    for (int64_t i = 0; i < n; i += 32)
-      for (int k = 0; k < 4; ++k)
-        for (int j = 0; j < 8; ++j) acc[k][j] = acc[k][j] + v[i + k * 8 + j];
-    float s = 0.f;
-    for (int j = 0; j < 8; ++j) s = s + (((acc[0][j] + acc[1][j]) + acc[2][j]) + acc[3][j]);
-    return s / (float)n;
+  static float mean(const float* v, int64_t n) {
+    float acc = 0.f;
+    for (int64_t i = 0; i < n; ++i) acc += v[i];
+    return acc / (float)n;
   }
 
   // log += log(std + 1e-3 * mean(std) + 1e-30), then centred (geometric mean 1)
   void log_step(float* lg, int64_t n) {
-    const float floor_ = kStdFloor * torch_mean(stdv.data(), n) + kTiny;
-    for (int64_t i = 0; i < n; ++i) lg[i] = lg[i] + log_rn(stdv[i] + floor_);
-    const float mean = torch_mean(lg, n);
-    for (int64_t i = 0; i < n; ++i) lg[i] = lg[i] - mean;
+    const float fl = kStdFloor * mean(stdv, n) + kTiny;
+    for (int64_t i = 0; i < n; ++i) lg[i] += std::log(stdv[i] + fl);
+    const float m = mean(lg, n);
+    for (int64_t i = 0; i < n; ++i) lg[i] -= m;
   }
 
   void sinkhorn_step() {
-    for (int64_t t = 0; t < T; ++t) er[t] = exp_rn(-log_r[t]);
-    for (int64_t d = 0; d < D; ++d) ec[d] = exp_rn(-log_c[d]);
-    col_std(x.data(), T, D, er.data(), ec.data());  // per channel, over tokens
-    log_step(log_c.data(), D);
-    for (int64_t d = 0; d < D; ++d) ec[d] = exp_rn(-log_c[d]);
-    col_std(xt.data(), D, T, ec.data(), er.data());  // per token, over channels
-    log_step(log_r.data(), T);
+    for (int64_t t = 0; t < T; ++t) er[t] = std::exp(-log_r[t]);
+    for (int64_t d = 0; d < D; ++d) ec[d] = std::exp(-log_c[d]);
+    col_std(x, T, D, er, ec);  // per channel, over tokens
+    log_step(log_c, D);
+    for (int64_t d = 0; d < D; ++d) ec[d] = std::exp(-log_c[d]);
+    col_std(xt, D, T, ec, er);  // per token, over channels
+    log_step(log_r, T);
   }
 
-  // the quantization grid: rows of src [R, C] are scaled by 1/f[r]; scales/zero points per column
-  // (keys: src = x, rows = tokens; values: src = x^T, rows = channels)
-  const float* grid_src() const { return per_channel ? x.data() : xt.data(); }
+  const float* grid_src() const { return per_channel ? x : xt; }
   int64_t grid_rows() const { return per_channel ? T : D; }
   int64_t grid_cols() const { return per_channel ? D : T; }
 
+  // per-column minimum and maximum of y = src[r, c] / f[r] (NB vectors of columns at a time)
+  template <int NB>
+  void range_block(const float* src, int64_t R, int64_t C, int64_t c0, float* lo, float* hi) const {
+    vf l[NB], h[NB];
+    for (int j = 0; j < NB; ++j) { l[j] = bc(INFINITY); h[j] = bc(-INFINITY); }
+    for (int64_t r = 0; r < R; ++r) {
+      const vf g = bc(inv_f[r]); const float* xs = src + r * C + c0;
+      for (int j = 0; j < NB; ++j) { const vf v = ld(xs + j * W) * g; l[j] = vmin(l[j], v); h[j] = vmax(h[j], v); }
+    }
+    for (int j = 0; j < NB; ++j) { st_(lo + c0 + j * W, l[j]); st_(hi + c0 + j * W, h[j]); }
+  }
+
+  // scale s, offset o (code k decodes to k * s + o) and the rounding constants of every column:
+  // k = clamp(floor(y * inv_s + bias), 0, qmax) for y = x / f
   void params(float qmax) {
     const int64_t R = grid_rows(), C = grid_cols();
-    const float* src = grid_src(); float* yy = y.data();
-    float* lo = s.data(); float* hi = q.data();  // reused: range first, then scale / zero point
-    std::fill(lo, lo + C, INFINITY); std::fill(hi, hi + C, -INFINITY);
-    for (int64_t r = 0; r < R; ++r) {
-      const float fr = f[r]; const float* xs = src + r * C; float* yr = yy + r * C;
-      for (int64_t c = 0; c < C; ++c) {
-        const float v = xs[c] / fr; yr[c] = v;
-        lo[c] = v < lo[c] ? v : lo[c]; hi[c] = v > hi[c] ? v : hi[c];
-      }
+    const float* __restrict src = grid_src();
+    float* lo = sum; float* hi = sum2;
+    for (int64_t c0 = 0; c0 < C;) {
+      if (C - c0 >= 4 * W) { range_block<4>(src, R, C, c0, lo, hi); c0 += 4 * W; }
+      else { range_block<1>(src, R, C, c0, lo, hi); c0 += W; }
     }
-    for (int64_t c = 0; c < C; ++c) {
-      const float l = lo[c], h = hi[c];
-      if (log8) {
+    if (log8) {
+      for (int64_t c = 0; c < C; ++c) {
+        const float l = lo[c], h = hi[c];
+        float sc;
         const float need = std::max((h - l) / qmax, std::fabs(l) / 127.f);
-        float sc; store_positive(need, true, true, lut, &s_raw[c], &sc);
+        store_positive(need, true, true, lut, &s_raw[c], &sc);
         const float safe = sc > 0.f ? sc : 1.f;
         float z = std::min(std::max(std::floor(l / safe + 0.5f), -128.f), 127.f);
         z = sc > 0.f ? z : 0.f;
-        s[c] = sc; q[c] = z; o[c] = z * sc; q_raw[c] = (uint32_t)(int32_t)z & 0xff;
-      } else {
-        uint16_t lb = half_bits(std::min(std::max(l, -kFp16Max), kFp16Max));
-        if (half_to_float(lb) > l) {  // one fp16 step towards -inf
-          if ((lb & 0x7fff) == 0) lb = 0x8001;
-          else if (lb & 0x8000) ++lb;
-          else --lb;
-        }
-        const float off = half_to_float(lb);
-        float sc; store_positive((h - off) / qmax, false, true, lut, &s_raw[c], &sc);
-        s[c] = sc; q[c] = off; o[c] = off; q_raw[c] = lb;
+        o[c] = z * sc; q_raw[c] = (uint32_t)(int32_t)z & 0xff;
+        bias[c] = 0.5f - z;
+        s[c] = sc; inv_s[c] = sc > 0.f ? 1.f / sc : 0.f;
       }
+      return;
+    }
+    // fp16: the minimum rounded down to fp16 is the offset; the scale rounds up, so that the
+    // maximum stays within the codes (branch-free over the columns, conversions W at a time)
+    for (int64_t c = 0; c < C; ++c) tmp[c] = std::min(std::max(lo[c], -kFp16Max), kFp16Max);
+    to_half(tmp, h16, C);
+    from_half(h16, tmp, C);
+    for (int64_t c = 0; c < C; ++c) {  // one fp16 step towards -inf where rounding went up
+      const uint16_t b = h16[c];
+      const uint16_t down = (b & 0x7fff) == 0 ? 0x8001 : (b & 0x8000) ? (uint16_t)(b + 1) : (uint16_t)(b - 1);
+      h16[c] = tmp[c] > lo[c] ? down : b;
+      q_raw[c] = h16[c];
+    }
+    from_half(h16, o, C);
+    for (int64_t c = 0; c < C; ++c) hi[c] = std::min(std::max((hi[c] - o[c]) / qmax, 0.f), kFp16Max);  // scale asked
+    to_half(hi, h16, C);
+    from_half(h16, tmp, C);
+    for (int64_t c = 0; c < C; ++c) h16[c] = tmp[c] < hi[c] && tmp[c] < kFp16Max ? (uint16_t)(h16[c] + 1) : h16[c];
+    from_half(h16, s, C);
+    for (int64_t c = 0; c < C; ++c) {
+      s_raw[c] = h16[c];
+      const bool pos = s[c] > 0.f;
+      inv_s[c] = pos ? 1.f / s[c] : 0.f;
+      bias[c] = pos ? 0.5f - o[c] * inv_s[c] : 0.f;
     }
   }
 
-  // code of v = x / f in column c (branch-free, so the loops over columns vectorize)
-  static inline float code_fp16(float v, float sc, float lo, float qmax) {
-    const float safe = sc > 0.f ? sc : 1.f;
-    const float k = floor_((v - lo) / safe + 0.5f);
-    return fmin_(fmax_(sc > 0.f ? k : 0.f, 0.f), qmax);
-  }
-  static inline float code_log8(float v, float sc, float z, float qmax) {
-    const float safe = sc > 0.f ? sc : 1.f;
-    const float k = floor_(v / safe + 0.5f) - z;
-    return fmin_(fmax_(sc > 0.f ? k : 0.f, 0.f), qmax);
-  }
-  inline float code(float v, int64_t c, float qmax) const {
-    return log8 ? code_log8(v, s[c], q[c], qmax) : code_fp16(v, s[c], q[c], qmax);
-  }
-
-  template <bool LOG8>
-  double sq_err_impl(float qmax) {  // of the grid in y (x / f) against x
-    const int64_t R = grid_rows(), C = grid_cols();
-    const float* src = grid_src(); const float* yy = y.data();
-    const float* sp = s.data(); const float* qp = q.data(); const float* op = o.data();
-    double* a = acc.data();
-    std::fill(a, a + C, 0.0);
+  // squared error of the grid against x over the columns c0 .. c0 + NB * W - 1
+  template <int NB>
+  float sq_err_block(int64_t R, int64_t C, int64_t c0, float qmax) const {
+    const float* src = grid_src() + c0;
+    const vf top = bc(qmax + 0.5f);
+    vf is[NB], b[NB], sc[NB], of[NB], a[NB] = {};
+    for (int j = 0; j < NB; ++j) {
+      const int64_t c = c0 + j * W;
+      is[j] = ld(inv_s + c); b[j] = ld(bias + c); sc[j] = ld(s + c); of[j] = ld(o + c);
+    }
     for (int64_t r = 0; r < R; ++r) {
-      const float fr = f[r]; const float* xs = src + r * C; const float* yr = yy + r * C;
-      for (int64_t c = 0; c < C; ++c) {
-        const float k = LOG8 ? code_log8(yr[c], sp[c], qp[c], qmax) : code_fp16(yr[c], sp[c], qp[c], qmax);
-        const float diff = (k * sp[c] + op[c]) * fr - xs[c];
-        a[c] += (double)(diff * diff);
+      const vf fr = bc(f[r]), g = bc(inv_f[r]); const float* xs = src + r * C;
+      for (int j = 0; j < NB; ++j) {
+        const vf x0 = ld(xs + j * W);
+        const vf k = code_of(x0 * g * is[j] + b[j], top);
+        const vf diff = (k * sc[j] + of[j]) * fr - x0;
+        a[j] += diff * diff;
       }
     }
-    double e = 0.0;
-    for (int64_t c = 0; c < C; ++c) e += a[c];
+    vf t = a[0];
+    for (int j = 1; j < NB; ++j) t += a[j];
+    float e = 0.f;
+    for (int j = 0; j < W; ++j) e += t[j];
     return e;
   }
-  double sq_err(float qmax) { return log8 ? sq_err_impl<true>(qmax) : sq_err_impl<false>(qmax); }
+
+  // squared error of the grid against x, summed over the tile
+  double sq_err(float qmax) const {
+    const int64_t R = grid_rows(), C = grid_cols();
+    double e = 0.0;
+    for (int64_t c0 = 0; c0 < C;) {
+      if (C - c0 >= 4 * W) { e += sq_err_block<4>(R, C, c0, qmax); c0 += 4 * W; }
+      else { e += sq_err_block<1>(R, C, c0, qmax); c0 += W; }
+    }
+    return e;
+  }
+
+  // codes [T, D] of the best iterate (factors and column constants in best_*)
+  void final_codes(float qmax) {
+    const vf top = bc(qmax + 0.5f);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* xs = x + t * D; uint8_t* out = codes + t * D;
+      for (int64_t d = 0; d < D; d += W) {
+        // keys: a factor per row (token), constants per column (channel); values the other way round
+        const vf u = per_channel ? ld(xs + d) * bc(1.f / best_f[t]) * ld(best_inv_s + d) + ld(best_bias + d)
+                                 : ld(xs + d) * ld(inv_f + d) * bc(best_inv_s[t]) + bc(best_bias[t]);
+        const vb k = __builtin_convertvector(__builtin_convertvector(vmin(vmax(u, vf{}), top), vi), vb);
+        std::memcpy(out + d, &k, W);
+      }
+    }
+  }
+
+  // x [T, D] and xt [D, T] <- the tile at src (row stride st, dtype 0/1/2) rotated: xt's rows
+  // (channels) times the signs, then the fast Walsh-Hadamard transform over the channel axis, whose
+  // butterflies combine whole rows of xt (x @ H / sqrt(D), H the Sylvester Hadamard matrix)
+  void load_tile(const void* src, int64_t st, int64_t dtype, int64_t rot, const float* signs) {
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t d = 0; d < D; ++d) xt[d * T + t] = load(src, t * st + d, dtype);
+    if (rot) {
+      if (signs)
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t t = 0; t < T; t += W) st_(xt + d * T + t, ld(xt + d * T + t) * bc(signs[d]));
+      for (int64_t h = 1; h < D; h *= 2)
+        for (int64_t i = 0; i < D; i += 2 * h)
+          for (int64_t j = i; j < i + h; ++j) {
+            float* a = xt + j * T; float* b = xt + (j + h) * T;
+            for (int64_t t = 0; t < T; t += W) {
+              const vf u = ld(a + t), v = ld(b + t);
+              st_(a + t, u + v); st_(b + t, u - v);
+            }
+          }
+      const vf norm = bc(1.f / std::sqrt((float)D));
+      for (int64_t i = 0; i < T * D; i += W) st_(xt + i, ld(xt + i) * norm);
+    }
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t t = 0; t < T; ++t) x[t * D + d] = xt[d * T + t];
+  }
 
   // encode x [T, D] (already in this->x) into the record at rec
   void encode(uint8_t* rec, int64_t code_off, int64_t scale_off, int64_t offset_off, int64_t factor_off) {
     const float qmax = (float)((1 << bits) - 1);
+    vf m = vf{};
+    for (int64_t i = 0; i < T * D; i += W) m = vmax(m, vmax(ld(x + i), -ld(x + i)));
     float amax = 0.f;
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t d = 0; d < D; ++d) { const float v = x[t * D + d]; xt[d * T + t] = v; amax = fmax_(amax, __builtin_fabsf(v)); }
+    for (int j = 0; j < W; ++j) amax = std::max(amax, m[j]);
     const float base = std::sqrt(std::max(amax, kMinMagnitude));
-    std::fill(log_r.begin(), log_r.end(), 0.f); std::fill(log_c.begin(), log_c.end(), 0.f);
+    std::fill(log_r, log_r + T, 0.f); std::fill(log_c, log_c + D, 0.f);
     const int64_t FN = per_channel ? T : D, SN = per_channel ? D : T, PB = log8 ? 1 : 2;
     double best = INFINITY;
     for (int64_t it = 0; it <= iters; ++it) {
       if (it > 0) sinkhorn_step();
-      const float* lf = per_channel ? log_r.data() : log_c.data();
+      const float* lf = per_channel ? log_r : log_c;
       for (int64_t i = 0; i < FN; ++i) {
-        float fv; store_positive(exp_rn(lf[i]) * base, log8, false, lut, &f_raw[i], &fv);
-        f[i] = std::max(fv, 1e-30f);
+        float fv; store_positive(std::exp(lf[i]) * base, log8, false, lut, &f_raw[i], &fv);
+        f[i] = std::max(fv, 1e-30f); inv_f[i] = 1.f / f[i];
       }
       params(qmax);
-      const double err = sq_err(qmax);
-      if (it == 0 || err < best) {
-        best = err;
+      const double e = sq_err(qmax);
+      if (it == 0 || e < best) {
+        best = e;
         for (int64_t i = 0; i < SN; ++i) { put(rec + scale_off, i, s_raw[i], PB); put(rec + offset_off, i, q_raw[i], PB); }
         for (int64_t i = 0; i < FN; ++i) put(rec + factor_off, i, f_raw[i], PB);
-        std::copy(f.begin(), f.begin() + FN, best_f.begin());
-        std::copy(s.begin(), s.begin() + SN, best_s.begin());
-        std::copy(q.begin(), q.begin() + SN, best_q.begin());
+        std::copy(f, f + FN, best_f);
+        std::copy(inv_s, inv_s + SN, best_inv_s);
+        std::copy(bias, bias + SN, best_bias);
       }
     }
-    // codes of the best iterate, in [T, D] order
-    std::copy(best_f.begin(), best_f.begin() + FN, f.begin());
-    std::copy(best_s.begin(), best_s.begin() + SN, s.begin());
-    std::copy(best_q.begin(), best_q.begin() + SN, q.begin());
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t d = 0; d < D; ++d) {
-        const float v = x[t * D + d];
-        codes[t * D + d] = per_channel ? (uint8_t)code(v / f[t], d, qmax) : (uint8_t)code(v / f[d], t, qmax);
-      }
+    if (!per_channel)
+      for (int64_t d = 0; d < D; ++d) inv_f[d] = 1.f / best_f[d];
+    final_codes(qmax);
     pack(rec + code_off);
   }
 
@@ -240,22 +332,20 @@ struct Side {  // one side of one tile, with its workspace
     const int widths3[2] = {2, 1}, one[1] = {(int)bits};
     const int* ws = bits == 3 ? widths3 : one;
     const int n = bits == 3 ? 2 : 1;
-    int shift = 0;
+    int shift_bits = 0;
     for (int k = 0; k < n; ++k) {
       const int w = ws[k], per = 8 / w, mask = (1 << w) - 1;
       const int64_t nb = D / per;
       for (int64_t t = 0; t < T; ++t)
         for (int64_t i = 0; i < nb; ++i) {
           uint32_t byte = 0;
-          for (int j = 0; j < per; ++j) byte |= (uint32_t)((codes[t * D + i * per + j] >> shift) & mask) << (j * w);
+          for (int j = 0; j < per; ++j) byte |= (uint32_t)((codes[t * D + i * per + j] >> shift_bits) & mask) << (j * w);
           out[t * nb + i] = (uint8_t)byte;
         }
       out += T * nb;
-      shift += w;
+      shift_bits += w;
     }
   }
-
-  int64_t iters = 0;
 };
 
 }  // namespace
@@ -264,15 +354,17 @@ void kvarn::store_tiles(const StoreArgs& a) {
   const int64_t N = a.N, H = a.H, T = a.T, D = a.D;
   #pragma omp parallel for schedule(dynamic, 1) num_threads((int)a.NTHREADS)
   for (int64_t task = 0; task < N * H * 2; ++task) {
-    const int64_t tile = task / 2;
+    const int64_t tile = task / 2, n = tile / H, h = tile % H;
     const bool keys = task % 2 == 0;
-    thread_local Side w;
+    thread_local std::unique_ptr<Side> ws(new Side());
+    Side& w = *ws;
     w.T = T; w.D = D; w.bits = keys ? a.KB : a.VB; w.per_channel = keys; w.log8 = a.LOG8 != 0;
     w.lut = a.lut; w.iters = a.ITERS;
-    w.fit();
-    const float* src = (keys ? a.keys : a.values) + tile * T * D;
-    std::copy(src, src + T * D, w.x.begin());
-    uint8_t* rec = a.cache + a.block_ids[tile / H] * a.cache_sb + (tile % H) * a.cache_sh;
+    const void* src = keys ? a.keys : a.values;
+    const int64_t off = keys ? n * a.k_sn + h * a.k_sh : n * a.v_sn + h * a.v_sh;
+    const int64_t esize = a.DTYPE == 0 ? 4 : 2;
+    w.load_tile(static_cast<const uint8_t*>(src) + off * esize, keys ? a.k_st : a.v_st, a.DTYPE, a.ROTATE, a.signs);
+    uint8_t* rec = a.cache + a.block_ids[n] * a.cache_sb + h * a.cache_sh;
     if (keys) w.encode(rec, a.KC, a.KS, a.KO, a.KF);
     else w.encode(rec, a.VC, a.VS, a.VO, a.VF);
   }
