@@ -83,6 +83,7 @@ def test_server_log_and_metrics_parsing() -> None:
         "INFO [loggers.py:2] Engine 000: ... Running: 9 reqs, Waiting: 0 reqs\n"
     )
     assert bench.kv_tokens_from_log(log) == 45656 and bench.peak_running(log) == 15
+    assert bench.peak_throughput(log) == (1800.2, 0.0) and bench.peak_throughput("") == (None, None)
     assert bench.kv_tokens_from_log("nothing") is None and bench.peak_running("") is None
     metrics = (
         "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.\n"
@@ -103,7 +104,8 @@ def _row(cache: str, rep: int, tok_s: float, ttft: float, kv: int) -> dict[str, 
     return {"model": "smollm2-135m", "workload": w.name, "letter": w.letter, "kv_cache_dtype": cache, "repeat": rep,
             "num_prompts": w.num_prompts, "input_len": w.input_len, "output_len": w.output_len, "prefix_len": 0,
             "max_concurrency": w.max_concurrency, **bench.parse_result(RESULT), "output_tok_per_s": tok_s,
-            "ttft_p50_ms": ttft, "kv_tokens": kv, "peak_running": 16, "preemptions": rep}  # fmt: skip
+            "ttft_p50_ms": ttft, "kv_tokens": kv, "peak_running": 16, "preemptions": rep, "log_prompt_tok_per_s": 900.0,
+            "log_gen_tok_per_s": 50.0 + rep, "load_avg_1min": 2.0 + rep}  # fmt: skip
 
 
 def test_summary_takes_medians_and_ratios_to_the_default(tmp_path: Path) -> None:
@@ -116,7 +118,8 @@ def test_summary_takes_medians_and_ratios_to_the_default(tmp_path: Path) -> None
     assert k["kv_tokens_vs_default"] == round(204448 / 45656, 2) and s["auto"]["output_tok_per_s_vs_default"] == 1.0
     text = bench.table(bench.summarize(rows))
     assert "| (a) burst | 16 x 1,024 + 128, all at once | `kvarn_k4v2_g128` | 2 | 7.0 | 0.64x |" in text
-    assert "204,448 | 4.48x |" in text and len(text.splitlines()) == 4
+    assert "204,448 | 4.48x | 16 | 1 | 900 | 50 |" in text and len(text.splitlines()) == 4
+    assert all(line.count("|") == text.splitlines()[0].count("|") for line in text.splitlines())
     json.dumps(bench.summarize(rows))  # --json writes it
 
 
@@ -132,6 +135,17 @@ def test_doc_section_is_replaced_between_markers(tmp_path: Path) -> None:
     assert bench._measuring_args(argv) == ["--model", "m", "--num-prompts", "4"]
     body = bench.section(bench.summarize([_row("auto", 0, 1.0, 1.0, 1)]), argv, "2026-12-04 23:00 UTC", "cpu", "abc")
     assert "at commit abc on cpu" in body and "`python tools/bench_serving.py --model m --num-prompts 4`" in body
+
+
+def test_from_json_rebuilds_the_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = {"commit": "abc", "machine": "cpu", "date": "2026-12-04 23:00 UTC", "argv": ["--num-prompts", "16"],
+             "rows": [_row("auto", 0, 10.0, 4000, 45656), _row("kvarn_k4v2_g128", 0, 6.0, 8000, 204448)]}  # fmt: skip
+    (tmp_path / "r.json").write_text(json.dumps(saved))
+    doc = tmp_path / "serving.md"
+    assert bench.main(["--from-json", str(tmp_path / "r.json"), "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert "<!-- serving:smollm2-135m -->\nMeasured 2026-12-04 23:00 UTC at commit abc on cpu" in text
+    assert "load average during the runs: 2.0-2.0." in text and "0.60x" in capsys.readouterr().out
 
 
 def test_realistic_model_flops_ratio() -> None:

@@ -23,7 +23,8 @@ full sizes for hours). Models (``--model``): ``smollm2-135m`` (the embedded Smol
 ``kvarn.models``) and ``llama1b-shapes`` (random weights at Llama-3.2-1B's layer shapes,
 ``tools/realistic_model.py``, ``--layers``). Prints a progress line per run and the table, writes
 the rows with ``--json`` and replaces the model's section of ``docs/serving.md`` (``--no-doc``
-leaves it) with the command, date, commit, machine and table::
+leaves it) with the command, date, commit, machine and table; ``--from-json`` rebuilds both from a
+saved ``--json`` file without running anything::
 
     python tools/bench_serving.py --model smollm2-135m --workloads burst one-at-a-time \\
         --num-prompts 16 --input-len 1024 --output-len 128 --latency-prompts 2
@@ -162,6 +163,7 @@ def parse_result(data: dict[str, Any]) -> dict[str, Any]:
 
 KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 RUNNING = re.compile(r"Running: (\d+) reqs")
+THROUGHPUT = re.compile(r"Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+) tokens/s")
 
 
 def kv_tokens_from_log(log: str) -> int | None:
@@ -174,6 +176,15 @@ def peak_running(log: str) -> int | None:
     """The most requests vLLM's periodic stats lines (``Running: 15 reqs``) show running, or None."""
     found = RUNNING.findall(log)
     return max(int(n) for n in found) if found else None
+
+
+def peak_throughput(log: str) -> tuple[float | None, float | None]:
+    """The highest prompt and generation tokens/s of vLLM's stats lines (10-second averages), or None:
+    prefill speed and decode speed as the server saw them."""
+    found = [(float(p), float(g)) for p, g in THROUGHPUT.findall(log)]
+    if not found:
+        return None, None
+    return max(p for p, _ in found), max(g for _, g in found)
 
 
 def preemptions_from_metrics(text: str) -> int:
@@ -321,6 +332,7 @@ def run(
                 for w in workloads:
                     offset = len(slog.read_text())
                     before = preemptions_from_metrics(_get(f"{url}/metrics"))
+                    load = os.getloadavg()[0]
                     name = f"{model}-{cache}-{w.name}-{rep}.json"
                     _bench(
                         bench_args(w, url, model, str(folder), logs, name), logs / f"bench-{name}.log", bench_timeout_s
@@ -332,20 +344,23 @@ def run(
                         "prefix_len": w.prefix_len, "max_concurrency": w.max_concurrency,
                         **parse_result(json.loads((logs / name).read_text())),
                         "kv_tokens": kv_tokens_from_log(log), "peak_running": peak_running(log[offset:]),
+                        **dict(zip(LOG_PEAKS, peak_throughput(log[offset:]), strict=True)),
                         "preemptions": preemptions_from_metrics(_get(f"{url}/metrics")) - before,
                         "server_start_s": round(start_s, 1),
+                        "load_avg_1min": round(max(load, os.getloadavg()[0]), 1),  # other work on the machine
                     }  # fmt: skip
                     rows.append(row)
                     print(
                         f"[{i + 1}/{len(order)}] {label} {cache} {w.name} ({w.num_prompts} x {w.input_len}+"
                         f"{w.output_len}, {w.max_concurrency} at once): {row['output_tok_per_s']:.1f} tok/s, "
                         f"TTFT p50 {row['ttft_p50_ms'] / 1e3:.1f} s, TPOT p50 {row['tpot_p50_ms']:.0f} ms, "
-                        f"{row['kv_tokens']} KV tokens, {row['preemptions']} preemptions",
+                        f"{row['kv_tokens']} KV tokens, {row['preemptions']} preemptions, load {row['load_avg_1min']}",
                         flush=True,
                     )
     return rows
 
 
+LOG_PEAKS = ("log_prompt_tok_per_s", "log_gen_tok_per_s")
 SUMMED = ("output_tok_per_s", "req_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 
 
@@ -366,6 +381,9 @@ def summarize(rows: list[dict[str, Any]], default: str = DEFAULT_CACHE) -> list[
         peaks = [r["peak_running"] for r in runs if r["peak_running"] is not None]
         s["peak_running"] = max(peaks) if peaks else None
         s["preemptions"] = max(r["preemptions"] for r in runs)
+        for k in LOG_PEAKS:
+            found = [r[k] for r in runs if r.get(k) is not None]
+            s[k] = statistics.median(found) if found else None
         out.append(s)
     for s in out:
         base = next((b for b in out if b["kv_cache_dtype"] == default and
@@ -385,8 +403,8 @@ def table(summary: list[dict[str, Any]]) -> str:
     lines = [
         "| workload | requests x prompt + output | cache | runs | output tok/s | vs default | requests/s "
         "| TTFT p50 s | vs default | TTFT p99 s | TPOT p50 ms | vs default | TPOT p99 ms | KV tokens | vs default "
-        "| peak running | preemptions |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak running | preemptions | prompt tok/s (log) | generation tok/s (log) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summary:
         shape = f"{s['num_prompts']} x {s['input_len']:,} + {s['output_len']:,}"
@@ -395,12 +413,13 @@ def table(summary: list[dict[str, Any]]) -> str:
         shape += ", 1 at a time" if s["max_concurrency"] == 1 else ", all at once"
         kv = "" if s["kv_tokens"] is None else f"{s['kv_tokens']:,}"
         peak = "" if s["peak_running"] is None else str(s["peak_running"])
+        logged = " | ".join("" if s.get(k) is None else f"{s[k]:.0f}" for k in LOG_PEAKS)
         lines.append(
             f"| ({s['letter']}) {s['workload']} | {shape} | `{s['kv_cache_dtype']}` | {s['runs']} "
             f"| {s['output_tok_per_s']:.1f} | {_ratio(s['output_tok_per_s_vs_default'])} | {s['req_per_s']:.3f} "
             f"| {s['ttft_p50_ms'] / 1e3:.1f} | {_ratio(s['ttft_p50_ms_vs_default'])} | {s['ttft_p99_ms'] / 1e3:.1f} "
             f"| {s['tpot_p50_ms']:.0f} | {_ratio(s['tpot_p50_ms_vs_default'])} | {s['tpot_p99_ms']:.0f} "
-            f"| {kv} | {_ratio(s['kv_tokens_vs_default'])} | {peak} | {s['preemptions']} |"
+            f"| {kv} | {_ratio(s['kv_tokens_vs_default'])} | {peak} | {s['preemptions']} | {logged} |"
         )
     return "\n".join(lines)
 
@@ -418,15 +437,16 @@ def machine() -> str:
 
 
 def commit() -> str:
-    """``git rev-parse --short HEAD``, with a note when ``kvarn/`` has uncommitted changes."""
+    """``git rev-parse --short HEAD``, naming the folders of ``kvarn/`` with uncommitted changes."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()  # fmt: skip
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvarn"], cwd=ROOT, capture_output=True,
-                               text=True).stdout.strip()  # fmt: skip
+                               text=True).stdout.splitlines()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return head + (" (with uncommitted changes in kvarn/)" if dirty else "")
+    folders = sorted({"/".join(line[3:].split("/")[:2]) for line in dirty})
+    return head + (f" (with uncommitted changes in {', '.join(folders)})" if folders else "")
 
 
 def write_section(doc: Path, name: str, body: str) -> None:
@@ -452,9 +472,14 @@ def _measuring_args(argv: list[str]) -> list[str]:
     return out
 
 
-def section(summary: list[dict[str, Any]], argv: list[str], when: str, where: str, rev: str) -> str:
+def section(
+    summary: list[dict[str, Any]], argv: list[str], when: str, where: str, rev: str, loads: list[float] | None = None
+) -> str:
+    """The doc section: when, commit, machine, the command, the table and the machine's 1-minute load
+    average during the runs (other work on a shared machine slows both caches, not always alike)."""
     cmd = "python tools/bench_serving.py " + " ".join(_measuring_args(argv))
-    return f"Measured {when} at commit {rev} on {where}:\n\n`{cmd}`\n\n{table(summary)}"
+    load = f"\n\n1-minute load average during the runs: {min(loads):.1f}-{max(loads):.1f}." if loads else ""
+    return f"Measured {when} at commit {rev} on {where}:\n\n`{cmd}`\n\n{table(summary)}{load}"
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -482,7 +507,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", type=Path, help="keep server and client logs and results here")
     p.add_argument("--doc", type=Path, default=DOC, help="markdown file whose section is replaced")
     p.add_argument("--no-doc", action="store_true", help="do not touch the markdown file")
+    p.add_argument("--from-json", type=Path, help="run nothing: table and doc section from a --json file")
     a = p.parse_args(argv)
+    if a.from_json:
+        saved = json.loads(a.from_json.read_text())
+        rows, rev, where, when, argv = saved["rows"], saved["commit"], saved["machine"], saved["date"], saved["argv"]
+        model = next(m for m in MODELS if rows[0]["model"].startswith(m))
+        return report(rows, argv, when, where, rev, None if a.no_doc else a.doc, model)
     loads = [
         scaled(WORKLOADS[n], a.num_prompts, a.input_len, a.output_len, a.latency_prompts, a.prefix_len)
         for n in a.workloads
@@ -490,13 +521,21 @@ def main(argv: list[str] | None = None) -> int:
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     rev, where = commit(), machine()
     rows = run(a.model, a.caches, loads, a.repeats, a.kv_gib, a.layers, a.serve_arg, a.bench_timeout, a.log_dir)
-    summary = summarize(rows)
-    print(table(summary))
     if a.json:
         a.json.write_text(json.dumps({"commit": rev, "machine": where, "date": when, "argv": argv, "rows": rows,
-                                      "summary": summary}, indent=1))  # fmt: skip
-    if not a.no_doc:
-        write_section(a.doc, f"serving:{a.model}", section(summary, argv, when, where, rev))
+                                      "summary": summarize(rows)}, indent=1))  # fmt: skip
+    return report(rows, argv, when, where, rev, None if a.no_doc else a.doc, a.model)
+
+
+def report(
+    rows: list[dict[str, Any]], argv: list[str], when: str, where: str, rev: str, doc: Path | None, model: str
+) -> int:
+    """Print the table of ``rows`` and replace the model's section of ``doc`` (None: leave it)."""
+    summary = summarize(rows)
+    print(table(summary))
+    if doc is not None:
+        loads = [r["load_avg_1min"] for r in rows if r.get("load_avg_1min") is not None]
+        write_section(doc, f"serving:{model}", section(summary, argv, when, where, rev, loads))
     return 0
 
 
