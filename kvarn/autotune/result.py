@@ -3,6 +3,7 @@ functions that turn Optuna's finished trials into candidates, the Pareto front a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -11,6 +12,7 @@ from optuna.trial import FrozenTrial
 
 from kvarn.autotune.budget import Budget
 from kvarn.autotune.objective import CONSTRAINT, bound_of, interval_of, metric_of
+from kvarn.eval.report import pareto
 
 
 class Outcome(StrEnum):
@@ -100,16 +102,11 @@ def candidate(t: FrozenTrial, budget: Budget, feasibility: str = "bound") -> Can
 
 
 def pareto_front(cands: list[Candidate], budget: Budget) -> list[Candidate]:
-    """Non-dominated (fewer bits, better metric) measured candidates, by bits."""
+    """Candidates on the front of fewer bits and a better calibration metric
+    (:func:`kvarn.eval.report.pareto`), by bits; an unmeasured metric is never on it."""
     sign = 1.0 if budget.lower_is_better else -1.0
-    best: float | None = None
-    out = []
-    for c in sorted(cands, key=lambda c: (c.bits, sign * (c.calib_metric or 0.0))):
-        m = sign * float(c.calib_metric if c.calib_metric is not None else float("inf"))
-        if best is None or m < best:
-            out.append(c)
-            best = m
-    return out
+    losses = [math.inf if c.calib_metric is None else sign * c.calib_metric for c in cands]
+    return [cands[i] for i in pareto([(c.bits, loss) for c, loss in zip(cands, losses, strict=True)])]
 
 
 def unique(cands: list[Candidate]) -> list[Candidate]:

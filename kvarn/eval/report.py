@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,19 +16,25 @@ from kvarn.hf import FP16
 Result = EvalResult | NeedleResult | DriftResult
 
 
+def pareto(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the Pareto front of ``(cost, loss)`` points, lower better on both, by cost: a
+    point is on it when every point that costs no more has a higher loss (of equal points, the first).
+
+    >>> pareto([(3.0, 0.02), (4.0, 0.01), (4.0, 0.03), (5.0, 0.01)])
+    [0, 1]
+    """
+    best = math.inf
+    out = []
+    for i in sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1], i)):
+        if points[i][1] < best:
+            out.append(i)
+            best = points[i][1]
+    return out
+
+
 def pareto_front(results: Sequence[EvalResult]) -> set[str]:
-    """Names of the results no other result beats on both bits/element and KL (lower is better)."""
-    front = set()
-    for r in results:
-        dominated = any(
-            o.bits_per_element <= r.bits_per_element
-            and o.kl <= r.kl
-            and (o.bits_per_element < r.bits_per_element or o.kl < r.kl)
-            for o in results
-        )
-        if not dominated:
-            front.add(r.scheme)
-    return front
+    """Names of the results on the Pareto front of bits/element and KL (:func:`pareto`)."""
+    return {results[i].scheme for i in pareto([(r.bits_per_element, r.kl) for r in results])}
 
 
 def format_table(results: Sequence[EvalResult], markdown: bool = False) -> str:
