@@ -20,8 +20,9 @@ partial-evaluation pruning, confidence-bound constraint and resumable storage.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import optuna
 
@@ -89,8 +90,38 @@ DEFAULT_FAMILIES: tuple[Family, ...] = (
 )
 
 
+class Layouts(Protocol):
+    """What tile size and exact first tokens a layout has (a :class:`Family`, a ``Scheme``)."""
+
+    @property
+    def group_size(self) -> int: ...
+
+    @property
+    def sink_tokens(self) -> int: ...
+
+
+class RecordsLayouts:
+    """What a result records about a space of fixed layouts, as
+    :class:`~kvarn.autotune.space.SearchSpace` has it: ``group_sizes``, ``sinks``,
+    ``allow_fp16_layers``."""
+
+    allow_fp16_layers = False
+
+    @property
+    def layouts(self) -> Sequence[Layouts]:
+        raise NotImplementedError
+
+    @property
+    def group_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({x.group_size for x in self.layouts}))
+
+    @property
+    def sinks(self) -> tuple[str, ...]:
+        return tuple(sorted({str(x.sink_tokens) for x in self.layouts}))
+
+
 @dataclass(frozen=True)
-class AllocationSpace:
+class AllocationSpace(RecordsLayouts):
     """Families of two-pair layer mixes over one sensitivity ``ranking`` (most sensitive first)."""
 
     num_layers: int
@@ -105,16 +136,9 @@ class AllocationSpace:
             raise ValueError("no family to search")
         object.__setattr__(self, "ranking", tuple(ranking))
 
-    # what a result records about the space searched (as SearchSpace has them)
     @property
-    def group_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted({f.group_size for f in self.families}))
-
-    @property
-    def sinks(self) -> tuple[str, ...]:
-        return tuple(sorted({str(f.sink_tokens) for f in self.families}))
-
-    allow_fp16_layers = False
+    def layouts(self) -> tuple[Family, ...]:
+        return self.families
 
     def family(self, name: str) -> Family:
         for f in self.families:
@@ -147,20 +171,25 @@ def cap(family: Family, ranking: tuple[int, ...], bits: Callable[[Scheme], float
     return n
 
 
-def bisect_family(family: Family, top: int, feasible: Verdict) -> int | None:
-    """The smallest ``n`` in ``[0, top]`` that ``feasible`` accepts, assuming that more layers on
-    the high pair never hurt: ``top`` first (if it fails, nothing below can pass), then bisection.
-    None when ``top`` fails or the search was stopped before ``top`` was decided."""
-    if top < 0 or not feasible(family, top):
+def bisect_smallest(top: int, feasible: Callable[[int], bool | None]) -> int | None:
+    """The smallest ``n`` in ``[0, top]`` that ``feasible`` accepts, assuming that a larger ``n``
+    never hurts: ``top`` first (if it fails, nothing below can pass), then bisection. None when
+    ``top`` fails or the search was stopped (``feasible`` returned None) before ``top`` was decided."""
+    if top < 0 or not feasible(top):
         return None
     lo, hi = -1, top  # lo: known (or assumed) infeasible; hi: known feasible
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        verdict = feasible(family, mid)
+        verdict = feasible(mid)
         if verdict is None:
             break
         lo, hi = (lo, mid) if verdict else (mid, hi)
     return hi
+
+
+def bisect_family(family: Family, top: int, feasible: Verdict) -> int | None:
+    """:func:`bisect_smallest` over the number of layers on ``family``'s high pair."""
+    return bisect_smallest(top, lambda n: feasible(family, n))
 
 
 def allocate(

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvarn.autotune.budget import BudgetError, parse_budget
 from kvarn.autotune.config import STRATEGIES, TuneConfig, derived_name
+from kvarn.autotune.corpus import CALIBRATION_DOCS, HELDOUT_DOCS, parse_names
 from kvarn.autotune.report import check_writable, plot_front, summary_table, to_json, write_presets
 from kvarn.autotune.result import Outcome
 from kvarn.autotune.search import resume_hint
@@ -60,20 +61,36 @@ def build_parser() -> argparse.ArgumentParser:
         "divergence in nats, above 0) or 'greedy=200' (greedy tokens that agree with the 16-bit cache, a whole "
         "number above 0)",
     )
-    p.add_argument("--text", type=Path, help="calibration text file (default: the bundled GPL-3 + Apache-2.0 text)")
+    p.add_argument(
+        "--text",
+        type=Path,
+        help="one text file, split by paragraphs into calibration and held-out parts (--holdout, --split) "
+        "instead of the documents below",
+    )
+    p.add_argument(
+        "--calibration-docs",
+        default=",".join(CALIBRATION_DOCS),
+        help="documents the search calibrates on, comma list: gpl-3, apache-2.0 (legal), kvarn-code[:<package>] "
+        "(code), python-docs[:<i>/<n>] (docs), <kind>=<path> (any text file)",
+    )
+    p.add_argument(
+        "--heldout-docs",
+        default=",".join(HELDOUT_DOCS),
+        help="documents the winner is confirmed on (default: a kind the calibration does not hold)",
+    )
     p.add_argument(
         "--tokens",
         type=int,
         default=4096,
-        help="tokens evaluated on each part (default 4096: the more tokens, the tighter the confidence bound "
-        "that decides feasibility)",
+        help="tokens evaluated on each part, shared by its documents (default 4096: the more tokens, the tighter "
+        "the confidence bound that decides feasibility)",
     )
-    p.add_argument("--holdout", type=float, default=0.5, help="fraction of the text held out (default 0.5)")
+    p.add_argument("--holdout", type=float, default=0.5, help="--text: fraction of the text held out (default 0.5)")
     p.add_argument(
         "--split",
         choices=SPLITS,
         default=SPLITS[0],
-        help="interleaved (default): alternate paragraphs go to calibration and held-out, so both sample the "
+        help="--text: interleaved (default): alternate paragraphs go to calibration and held-out, so both sample the "
         "whole text; contiguous: the first part calibrates, the last part is held out",
     )
     p.add_argument(
@@ -81,8 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=STRATEGIES,
         default=STRATEGIES[0],
         help="allocate (default): bisect per-layer mixes of two bit pairs (k4v2/k4v3, k4v3/k4v4; fp16 or log8 "
-        "scales) over the layers ranked by sensitivity; tpe: Optuna's TPE over bits, tiles, rotation, scales, "
-        "sinks and layer tiers",
+        "scales) over the layers ranked by sensitivity; ladder: bisect one precision for all layers (k3v2 to "
+        "k8v8, fp16 or log8 scales; no sensitivity pass, the fastest); tpe: Optuna's TPE over bits, tiles, "
+        "rotation, scales, sinks and layer tiers",
     )
     p.add_argument(
         "--trials",
@@ -158,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def text_source(args: argparse.Namespace) -> str:
+    """What the preset's provenance says the run was tuned on."""
+    if args.text:
+        return str(args.text)
+    return f"calibration: {args.calibration_docs}; held-out: {args.heldout_docs} (kvarn.autotune.corpus)"
+
+
 def _fail(msg: str) -> int:
     print(f"kvarn-tune: error: {msg}", file=sys.stderr)
     return 1
@@ -201,6 +226,13 @@ def _config(args: argparse.Namespace) -> TuneConfig | str:
         parse_device(args.device)
     except ValueError as e:
         return f"--device: {e}"
+    calib_docs, held_docs = parse_names(args.calibration_docs), parse_names(args.heldout_docs)
+    if args.text is None and not (calib_docs and held_docs):
+        return "--calibration-docs and --heldout-docs each need at least one document"
+    if args.text is None and set(calib_docs) & set(held_docs):
+        return (
+            f"a document cannot be both calibration and held-out: {', '.join(sorted(set(calib_docs) & set(held_docs)))}"
+        )
     text = None
     if args.text is not None:
         try:
@@ -210,6 +242,8 @@ def _config(args: argparse.Namespace) -> TuneConfig | str:
     return TuneConfig(
         budget=budget,
         text=text,
+        calibration_docs=calib_docs,
+        heldout_docs=held_docs,
         sinks=sinks,
         per_layer=not args.no_per_layer,
         group_sizes=groups,
@@ -284,9 +318,7 @@ def _run(args: argparse.Namespace) -> int:
         return _fail(str(e))
     finally:
         bar.close()
-    written = write_presets(
-        res, name, out_dir, str(args.text) if args.text else "bundled GPL-3 + Apache-2.0 (kvarn/data)"
-    )
+    written = write_presets(res, name, out_dir, text_source(args))
     plot = None
     if res.trials and (args.plot or written):  # no preset written: nothing left in the preset folder
         plot = plot_front(res, args.plot or out_dir / f"{name}.png")

@@ -8,27 +8,34 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvarn.autotune.budget import Budget
+from kvarn.autotune.corpus import CALIBRATION_DOCS, HELDOUT_DOCS
 from kvarn.autotune.space import SINKS
 
-STRATEGIES: tuple[str, ...] = ("allocate", "tpe")  # see kvarn.autotune.search
+STRATEGIES: tuple[str, ...] = ("allocate", "ladder", "tpe")  # see kvarn.autotune.search
 
 
 @dataclass
 class TuneConfig:
     """Everything one tuning run depends on.
 
-    ``tokens`` is per part: calibration and held-out each evaluate this many tokens. The default,
-    4096, uses most of each part of the bundled text (4,800 / 5,080 tokens); the 90% interval of a
-    perplexity increase narrows with the tokens (docs/tuning.md, "How wide the bound is").
+    Without ``text`` the parts are documents of different kinds (:mod:`kvarn.autotune.corpus`):
+    ``calibration_docs`` for the search, ``heldout_docs`` (a kind the search never saw) for the
+    confirmation; ``tokens`` is the calibration part's, shared equally by its documents, and every
+    document (held-out ones too) is evaluated on that many (:attr:`sequence_tokens`). With
+    ``text``, one text is split by paragraphs (``holdout``, ``split``) and each part evaluates
+    ``tokens``. The 90% interval of a metric narrows with the
+    tokens (docs/tuning.md, "How wide the bound is").
     """
 
     budget: Budget
     model: str = "smollm2-135m"
-    text: str | None = None  # None: the bundled text of kvarn eval (GPL-3, then Apache-2.0)
+    text: str | None = None  # None: the documents below; else this text, split into two parts
+    calibration_docs: tuple[str, ...] = CALIBRATION_DOCS
+    heldout_docs: tuple[str, ...] = HELDOUT_DOCS
     tokens: int = 4096
     holdout: float = 0.5  # fraction of the text kept for confirmation
     split: str = "interleaved"  # how the held-out part is cut from the text (see split_text)
-    strategy: str = "allocate"  # allocate: bisect per-layer mixes of two bit pairs; tpe: Optuna's TPE
+    strategy: str = "allocate"  # allocate: per-layer mixes of two pairs; ladder: one pair; tpe: Optuna's TPE
     trials: int = 30  # evaluated trials at most
     timeout: float | None = None
     seed: int = 0
@@ -63,9 +70,24 @@ class TuneConfig:
         return self.strategy == "allocate" and self.per_layer
 
     @property
+    def searches_layers(self) -> bool:
+        """Whether the search gives layers different precisions (and so needs the sensitivity pass)."""
+        return self.per_layer and self.strategy != "ladder"
+
+    @property
+    def sequence_tokens(self) -> int:
+        """Tokens of one evaluated sequence: ``tokens`` with ``text``, else the calibration
+        documents' share of it in whole chunks, at least two (decode mode reads quantized tiles only
+        from the second chunk on)."""
+        if self.text is not None:
+            return self.tokens
+        share = self.tokens // max(1, len(self.calibration_docs))
+        return max(2 * self.chunk, share // self.chunk * self.chunk)
+
+    @property
     def bits_context(self) -> int:
         """Tokens a sequence's sink cost is spread over when counting bits per element."""
-        return self.context or self.tokens
+        return self.context or self.sequence_tokens
 
     def resolved_prune_tokens(self) -> int | None:
         """Tokens of the partial evaluation; None when too short to read anything quantized
@@ -74,10 +96,11 @@ class TuneConfig:
         By default (-1) half the tokens with TPE, and none with the allocation search: its points
         lie near the budget, where a partial evaluation rarely prunes and adds half a measurement.
         """
-        if self.prune_tokens == -1 and self.allocates:
+        if self.prune_tokens == -1 and self.strategy != "tpe":
             return None
-        n = self.tokens // 2 if self.prune_tokens == -1 else self.prune_tokens
-        return n if n and self.chunk < n < self.tokens else None
+        tokens = self.sequence_tokens
+        n = tokens // 2 if self.prune_tokens == -1 else self.prune_tokens
+        return n if n and self.chunk < n < tokens else None
 
     def checked_group_sizes(self) -> tuple[int, ...]:
         """The group sizes with ``min_tiles`` full tiles in ``tokens``, after checking the token counts.
@@ -85,13 +108,16 @@ class TuneConfig:
         Raises:
             ValueError: none fits, or the sensitivity pass would read no quantized tile.
         """
-        groups = tuple(g for g in self.group_sizes if g * self.min_tiles <= self.tokens)
+        tokens = self.sequence_tokens
+        groups = tuple(g for g in self.group_sizes if g * self.min_tiles <= tokens)
         if not groups:
+            docs = len(self.calibration_docs) if self.text is None else 1
             raise ValueError(
-                f"--tokens {self.tokens} is too short for group sizes {self.group_sizes}: a group size needs "
-                f"{self.min_tiles} full tiles; raise --tokens to at least {self.min_tiles * min(self.group_sizes)}"
+                f"--tokens {self.tokens} ({tokens} per document) is too short for group sizes {self.group_sizes}: "
+                f"a group size needs {self.min_tiles} full tiles in each document; raise --tokens to at least "
+                f"{self.min_tiles * min(self.group_sizes) * docs}"
             )
-        if self.sensitivity_tokens and self.per_layer and self.sensitivity_tokens <= self.chunk:
+        if self.sensitivity_tokens and self.searches_layers and self.sensitivity_tokens <= self.chunk:
             raise ValueError(
                 f"--sensitivity-tokens {self.sensitivity_tokens} must exceed the chunk ({self.chunk} tokens): "
                 "decode mode reads quantized tiles only from the next chunk on"

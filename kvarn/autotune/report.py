@@ -45,6 +45,8 @@ def provenance(res: TuneResult, c: Candidate, text_source: str) -> dict[str, Any
         "tokens": res.config["tokens"],
         "holdout_fraction": res.config["holdout"],
         "split": res.config.get("split", "contiguous"),
+        "calibration_docs": res.config.get("calibration_docs"),
+        "heldout_docs": res.config.get("heldout_docs"),
         "bits_context": res.config.get("bits_context"),
         "device": res.config.get("device", "cpu"),
         "dtype": res.config.get("dtype", "float32"),

@@ -1,9 +1,10 @@
 """The search phase of ``tune()``: per-layer sensitivity, then an Optuna study on calibration text.
 
 The study minimizes bits per element subject to the budget constraint
-(:class:`~kvarn.autotune.objective.Objective`). Two strategies fill it: ``allocate`` (default)
-bisects per-layer mixes of two bit pairs (:mod:`kvarn.autotune.allocate`), one enqueued trial at a
-time; ``tpe`` lets Optuna's TPE sampler roam the whole :class:`~kvarn.autotune.space.SearchSpace`.
+(:class:`~kvarn.autotune.objective.Objective`). Three strategies fill it: ``allocate`` (default)
+bisects per-layer mixes of two bit pairs (:mod:`kvarn.autotune.allocate`) and ``ladder`` one
+precision for all layers (:mod:`kvarn.autotune.ladder`), one enqueued trial at a time; ``tpe`` lets
+Optuna's TPE sampler roam the whole :class:`~kvarn.autotune.space.SearchSpace`.
 The study is named from everything that defines the search
 (model, text, budget, space, seed), so the same command with the same ``storage`` resumes it.
 Trials left RUNNING by a killed process are marked FAIL before the study continues.
@@ -21,8 +22,9 @@ from dataclasses import dataclass, replace
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from kvarn.autotune.allocate import DEFAULT_FAMILIES, AllocationSpace, Family, allocate
+from kvarn.autotune.allocate import DEFAULT_FAMILIES, AllocationSpace, allocate, bisect_smallest
 from kvarn.autotune.config import TuneConfig, slug
+from kvarn.autotune.ladder import LadderSpace, rungs
 from kvarn.autotune.objective import CONSTRAINT, EvaluatorLike, Objective, best_feasible
 from kvarn.autotune.space import SearchSpace, layer_sensitivity, parse_pair, ranking, sensitivity_key
 from kvarn.schemes import Scheme
@@ -31,6 +33,7 @@ MAX_FREE_PER_TRIAL = 20  # unmeasured (skipped) trials allowed per evaluated one
 _OPTUNA_TRIAL_LOG = "optuna.study._optimize"  # the logger that reports a failed trial
 
 OnTrial = Callable[[int, int, float | None], None]
+Space = SearchSpace | AllocationSpace | LadderSpace
 
 
 def resume_hint(storage: str | None) -> str:
@@ -62,7 +65,7 @@ class SearchRun:
     """What the search phase leaves for the held-out check: the study's trials and their space."""
 
     study_name: str
-    space: SearchSpace | AllocationSpace
+    space: Space
     sensitivity: list[float]
     trials: list[FrozenTrial]
     interrupted: bool
@@ -84,7 +87,7 @@ def layer_mix_bits(evaluator: EvaluatorLike, context: int) -> Callable[[Scheme],
     return lambda scheme: geometry.bits_per_element(scheme, context)
 
 
-def study_name(config: TuneConfig, space: SearchSpace | AllocationSpace, text_sha: str) -> str:
+def study_name(config: TuneConfig, space: Space, text_sha: str) -> str:
     """``kvarn-tune-<model>-<budget>-<hash of the search's definition>``."""
     sig = json.dumps(
         [
@@ -105,7 +108,7 @@ def study_name(config: TuneConfig, space: SearchSpace | AllocationSpace, text_sh
 def sensitivity(config: TuneConfig, evaluator: EvaluatorLike, num_layers: int, calib_sha: str) -> list[float]:
     """Per-layer KL of the probe scheme on one layer at a time, cached on disk by model, text and
     probe; ``[]`` when the pass is off (``sensitivity_tokens`` 0 or no per-layer search)."""
-    if not config.sensitivity_tokens or not config.per_layer:
+    if not config.sensitivity_tokens or not config.searches_layers:
         return []
     from kvarn.models import default_cache_dir
 
@@ -133,13 +136,20 @@ def sensitivity(config: TuneConfig, evaluator: EvaluatorLike, num_layers: int, c
 
 
 def make_space(
-    config: TuneConfig, num_layers: int, rank: tuple[int, ...], groups: tuple[int, ...]
-) -> SearchSpace | AllocationSpace:
-    """The space of ``config.strategy``: layer mixes of the default families (on the searched tile
-    size nearest 128, with one exact first token unless sinks are off), or TPE's whole space."""
+    config: TuneConfig,
+    num_layers: int,
+    rank: tuple[int, ...],
+    groups: tuple[int, ...],
+    bits: Callable[[Scheme], float] | None = None,
+) -> Space:
+    """The space of ``config.strategy``: layer mixes of the default families or the ladder's
+    uniform schemes (on the searched tile size nearest 128, with one exact first token unless sinks
+    are off; the ladder ordered by ``bits``), or TPE's whole space."""
+    g = min(groups, key=lambda x: (abs(x - 128), x))
+    sink = 1 if "1" in config.sinks else 0
+    if config.strategy == "ladder":
+        return LadderSpace(rungs(bits or (lambda s: s.bits_per_element(64, num_layers)), g, sink))
     if config.allocates:
-        g = min(groups, key=lambda x: (abs(x - 128), x))
-        sink = 1 if "1" in config.sinks else 0
         families = tuple(replace(f, group_size=g, sink_tokens=sink) for f in DEFAULT_FAMILIES)
         return AllocationSpace(num_layers=num_layers, ranking=rank, families=families)
     return SearchSpace(
@@ -163,8 +173,8 @@ def open_study(config: TuneConfig, name: str) -> optuna.Study:
     if prune_tokens and not config.budget.needs_greedy:
         pruner = optuna.pruners.ThresholdPruner(upper=config.budget.limit * config.prune_slack)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler: optuna.samplers.BaseSampler = optuna.samplers.RandomSampler(seed=config.seed)  # allocate: enqueued
-    if not config.allocates:
+    sampler: optuna.samplers.BaseSampler = optuna.samplers.RandomSampler(seed=config.seed)  # enqueued points
+    if not config.allocates and config.strategy != "ladder":
         sampler = optuna.samplers.TPESampler(seed=config.seed, n_startup_trials=8, multivariate=True, group=True)
     study = optuna.create_study(
         study_name=name,
@@ -201,7 +211,14 @@ def search(
     num_layers, head_dim = dims
     sens = sensitivity(config, calib_ev, num_layers, calib_sha)
     sensitivity_end = time.perf_counter()
-    space = make_space(config, num_layers, ranking(sens) if sens else (), groups)
+    bits_of = layer_mix_bits(calib_ev, config.bits_context)
+    space = make_space(
+        config,
+        num_layers,
+        ranking(sens) if sens else (),
+        groups,
+        bits_of or (lambda s: s.bits_per_element(head_dim, num_layers, config.bits_context)),
+    )
     name = config.study_name or study_name(config, space, text_sha)
     study = open_study(config, name)
     objective = Objective(
@@ -215,7 +232,7 @@ def search(
         chunk=config.chunk,
         tokens=config.tokens,
         context=config.bits_context,
-        bits_of=layer_mix_bits(calib_ev, config.bits_context),
+        bits_of=bits_of,
         feasibility=config.feasibility,
     )
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
@@ -252,11 +269,11 @@ def search(
             show_progress_bar=False,
         )
 
-    def feasible(family: Family, n: int) -> bool | None:
-        """One enqueued trial of ``family`` with ``n`` upper-pair layers: met the budget or not."""
-        if stopped() or not isinstance(space, AllocationSpace):
+    def feasible_at(params: dict[str, object]) -> bool | None:
+        """One enqueued trial with ``params``: met the budget or not (None: the search stopped)."""
+        if stopped():
             return None
-        study.enqueue_trial(space.point(family, n))
+        study.enqueue_trial(params)
         optimize(1)
         t = study.trials[-1]
         if t.state == TrialState.PRUNED and str(t.user_attrs.get("status", "")).startswith("skipped"):
@@ -272,7 +289,9 @@ def search(
     logging.getLogger(_OPTUNA_TRIAL_LOG).addFilter(quiet)
     try:
         if isinstance(space, AllocationSpace):
-            allocate(space, feasible, objective.bits, best_bits, stopped)
+            allocate(space, lambda f, n: feasible_at(space.point(f, n)), objective.bits, best_bits, stopped)
+        elif isinstance(space, LadderSpace):
+            bisect_smallest(len(space.rungs) - 1, lambda i: feasible_at(space.point(i)))
         elif evaluated < config.trials:
             optimize(None)
     except KeyboardInterrupt:

@@ -1,17 +1,10 @@
-"""The tuning text: the bundled default, its calibration / held-out split, its hash."""
+"""A user's tuning text (``--text``): its calibration / held-out split, and its hash."""
 
 from __future__ import annotations
 
 import hashlib
 
 SPLITS: tuple[str, ...] = ("interleaved", "contiguous")
-
-
-def bundled_text() -> str:
-    """The default tuning text: ``kvarn eval``'s bundled text (GPL-3, then Apache-2.0; 9,881 tokens)."""
-    from kvarn.eval.harness import default_text
-
-    return default_text()
 
 
 def split_text(text: str, holdout: float, mode: str = "interleaved") -> tuple[str, str]:

@@ -2,7 +2,8 @@
 
 Data flow::
 
-    text --split--> calibration | held-out (never seen by the search)
+    documents of two kinds (calibration) | a document of a third kind (held-out)   (corpus.py)
+      or: one --text --split--> calibration | held-out paragraphs                  (texts.py)
     calibration --> per-layer sensitivity (cached on disk) --> SearchSpace.ranking     (search.py)
     calibration --> study.optimize(Objective)   (minimize bits s.t. the budget constraint)
     feasible trials, fewest bits first --> re-measured on held-out --> first that meets the budget wins
@@ -20,13 +21,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from optuna.trial import TrialState
 
-from kvarn.autotune.budget import Budget
+from kvarn.autotune.budget import Budget, BudgetError
 from kvarn.autotune.config import TuneConfig, derived_name
+from kvarn.autotune.corpus import Document, documents
 from kvarn.autotune.heldout import confirm, confirm_winner, nearest_builtins, reference
 from kvarn.autotune.objective import EvaluatorLike, best_feasible
 from kvarn.autotune.result import (
@@ -42,12 +44,12 @@ from kvarn.autotune.result import (
     unique,
 )
 from kvarn.autotune.search import OnTrial, SearchRun, layer_mix_bits, resume_hint, search
-from kvarn.autotune.texts import bundled_text, split_text, text_hash
+from kvarn.autotune.texts import split_text, text_hash
 from kvarn.eval.metrics import CONFIDENCE
 
 __all__ = ["EvaluatorFactory", "TuneConfig", "derived_name", "harness_factory", "model_dims", "split_text", "tune"]
 
-EvaluatorFactory = Callable[[str], EvaluatorLike]  # text -> evaluator
+EvaluatorFactory = Callable[[Sequence[str]], EvaluatorLike]  # the texts of one part -> its evaluator
 
 
 def model_dims(model: str) -> tuple[int, int]:
@@ -64,22 +66,45 @@ def model_dims(model: str) -> tuple[int, int]:
 
 
 def harness_factory(config: TuneConfig) -> EvaluatorFactory:
-    """Evaluators of the decode-mode harness on ``config.model``, one per text part."""
+    """Evaluators of the decode-mode harness on ``config.model``, one per part: the split parts of
+    ``--text`` (one text each), or documents pooled (:class:`~kvarn.autotune.pooled.PooledEvaluator`,
+    :attr:`TuneConfig.sequence_tokens` tokens of each)."""
 
-    def make(text: str) -> EvaluatorLike:
+    def make(texts: Sequence[str]) -> EvaluatorLike:
+        from kvarn.autotune.pooled import PooledEvaluator
         from kvarn.eval.harness import Evaluator
 
-        ev: EvaluatorLike = Evaluator(
-            config.model,
-            text=text,
-            tokens=config.tokens,
-            chunk=config.chunk,
-            device=config.device,
-            dtype=config.dtype,
-        )
-        return ev
+        if config.text is not None:
+            (text,) = texts
+            one: EvaluatorLike = Evaluator(
+                config.model, text=text, tokens=config.tokens, chunk=config.chunk, device=config.device,
+                dtype=config.dtype,
+            )  # fmt: skip
+            return one
+        return PooledEvaluator(config.model, texts, config.sequence_tokens, config.chunk, config.device, config.dtype)
 
     return make
+
+
+def parts(config: TuneConfig) -> tuple[list[str], list[str], str]:
+    """The calibration texts, the held-out texts and the SHA-256 that names them together.
+
+    Raises:
+        ValueError: an unknown document, or a greedy budget without ``--text`` (see
+            :class:`~kvarn.autotune.pooled.PooledEvaluator`).
+    """
+    if config.text is not None:
+        calib, held = split_text(config.text, config.holdout, config.split)
+        return [calib], [held], text_hash(config.text)
+    if config.budget.needs_greedy:
+        raise BudgetError("a greedy budget is measured on one text: pass --text FILE with it")
+    calib_docs, held_docs = documents(config.calibration_docs), documents(config.heldout_docs)
+    return [d.text for d in calib_docs], [d.text for d in held_docs], corpus_hash(calib_docs + held_docs)
+
+
+def corpus_hash(docs: list[Document]) -> str:
+    """SHA-256 of the documents' names and texts, in order."""
+    return text_hash("\0".join(f"{d.name}\0{d.text}" for d in docs))
 
 
 def tune(
@@ -108,11 +133,10 @@ def tune(
     t0 = time.perf_counter()
     num_layers, head_dim = dims or model_dims(config.model)
     factory = factory or harness_factory(config)
-    text = config.text if config.text is not None else bundled_text()
-    calib_text, held_text = split_text(text, config.holdout, config.split)
-    sha = text_hash(text)
+    calib_texts, held_texts, sha = parts(config)
     groups = config.checked_group_sizes()
-    run = search(config, factory(calib_text), (num_layers, head_dim), groups, sha, text_hash(calib_text), on_trial)
+    calib_sha = text_hash("\0".join(calib_texts))
+    run = search(config, factory(calib_texts), (num_layers, head_dim), groups, sha, calib_sha, on_trial)
     res = TuneResult(
         config=_config_record(config, run),
         study_name=run.study_name,
@@ -124,7 +148,7 @@ def tune(
         ranking=list(run.space.ranking),
     )
     res.extra["sensitivity_seconds"] = round(run.sensitivity_end - t0, 1)
-    _finish(res, config, run, factory, held_text)
+    _finish(res, config, run, factory, held_texts)
     res.extra.setdefault("search_seconds", round(time.perf_counter() - run.sensitivity_end, 1))
     res.seconds = time.perf_counter() - t0
     return res
@@ -137,7 +161,10 @@ def _config_record(config: TuneConfig, run: SearchRun) -> dict[str, Any]:
         "budget": config.budget.to_dict(),
         "tokens": config.tokens,
         "holdout": config.holdout,
-        "split": config.split,
+        "split": config.split if config.text is not None else "documents",
+        "calibration_docs": None if config.text is not None else list(config.calibration_docs),
+        "heldout_docs": None if config.text is not None else list(config.heldout_docs),
+        "sequence_tokens": config.sequence_tokens,
         "strategy": config.strategy,
         "trials": config.trials,
         "seed": config.seed,
@@ -154,7 +181,9 @@ def _config_record(config: TuneConfig, run: SearchRun) -> dict[str, Any]:
     }
 
 
-def _finish(res: TuneResult, config: TuneConfig, run: SearchRun, factory: EvaluatorFactory, held_text: str) -> None:
+def _finish(
+    res: TuneResult, config: TuneConfig, run: SearchRun, factory: EvaluatorFactory, held_texts: list[str]
+) -> None:
     """Fill ``res`` from the search: front, outcome and message; the held-out check when a
     calibration winner exists."""
     budget = config.budget
@@ -180,7 +209,7 @@ def _finish(res: TuneResult, config: TuneConfig, run: SearchRun, factory: Evalua
         return
     search_end = time.perf_counter()
     res.extra["search_seconds"] = round(search_end - run.sensitivity_end, 1)
-    held_ev = factory(held_text)
+    held_ev = factory(held_texts)
     checked = confirm_winner(held_ev, feasible, budget, config.confirm, config.progress)
     res.confirmed, res.winner = checked.confirmed, checked.winner
     if config.pareto:

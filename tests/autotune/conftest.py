@@ -4,6 +4,7 @@ a deterministic synthetic metric (as an ``EvalResult``), no model. It tests the 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -70,16 +71,18 @@ class FakeEvaluator:
 
 
 class FakeFactory:
-    """text -> FakeEvaluator, remembering every evaluator it made."""
+    """The texts of one part -> a FakeEvaluator of them joined, remembering every evaluator it made."""
 
     def __init__(self, interrupt_after: int | None = None, ci_halfwidth: float | None = None) -> None:
         self.made: list[FakeEvaluator] = []
         self.interrupt_after = interrupt_after
         self.ci_halfwidth = ci_halfwidth
 
-    def __call__(self, text: str) -> FakeEvaluator:
+    def __call__(self, texts: Sequence[str]) -> FakeEvaluator:
         ev = FakeEvaluator(
-            text, interrupt_after=self.interrupt_after if not self.made else None, ci_halfwidth=self.ci_halfwidth
+            "\n\n".join(texts),
+            interrupt_after=self.interrupt_after if not self.made else None,
+            ci_halfwidth=self.ci_halfwidth,
         )
         self.made.append(ev)
         return ev
