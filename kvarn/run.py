@@ -4,13 +4,14 @@ Steps (each a function ``(args) -> exit code``, run in order; later features app
 
 1. ``presets``  -- the scheme table at the model's head_dim (64 for SmolLM2-135M).
 2. ``accuracy`` -- ``kvarn eval`` in decode mode for fp16, the kvarn presets and the baselines.
-3. ``tune``     -- ``kvarn-tune`` at a 1% perplexity budget in a small, fast setting; writes a preset.
-4. ``serve``    -- vLLM (when installed) serves the model with the preset file the tune step wrote
-   (into the user preset directory); when it wrote none (the fast setting's 512-token texts are
-   usually too noisy for a 1% budget), with the preset of the full tuning run committed in
-   docs/tuned (docs/tuning.md), else ``kvarn_k4v2_g128``. A candidate whose name resolves to another
-   file (a name clash, see :func:`kvarn.schemes.preset_clashes`) is skipped, so what is served is
-   the file named. Prints the file, the KV capacity gained and a greedy sample whose 432-token
+3. ``tune``     -- ``kvarn-tune`` at a KL budget in a setting that takes minutes
+   (:mod:`kvarn.run_tune`); writes a preset into the user preset directory.
+4. ``serve``    -- vLLM (when installed) serves the model with exactly the preset file the tune step
+   wrote, by its name; only when the tune step is skipped (``--skip tune``), the preset of the
+   full tuning run committed in docs/tuned (docs/tuning.md). When the tune step failed, or the
+   name resolves to another file (a name clash, see :func:`kvarn.schemes.preset_clashes`), the
+   built-in ``kvarn_k4v2_g128`` is served and the step says why. Prints the file, the preset's bits
+   per element and held-out figure, the KV capacity gained and a greedy sample whose 432-token
    prompt reaches past the first tile.
 
 The default accuracy run is shortened (1024 tokens, 64 greedy tokens: minutes on 2 cores);
@@ -51,38 +52,65 @@ def step_accuracy(args: argparse.Namespace) -> int:
 
 
 _TUNED: list[tuple[str, Path]] = []  # (name, file) of the preset the tune step wrote, for the serve step
+_TUNE_RAN: list[bool] = []  # the tune step ran (so the serve step never falls back to docs/tuned)
 _SUMMARY: dict[str, str] = {}  # step -> one line for the final summary
 
 
 def step_tune(args: argparse.Namespace) -> int:
-    """A fast ``kvarn-tune`` run at a 1% perplexity budget (its own errors are reported, not fatal)."""
-    from kvarn.run_tune import tune_default
+    """A fast ``kvarn-tune`` run (:mod:`kvarn.run_tune`); exit 1 when it wrote no preset."""
+    from kvarn.run_tune import BUDGET, describe, tune_default
     from kvarn.schemes import user_preset_dir
 
     out = user_preset_dir()
-    name = tune_default(args.model, "1%", str(out))
+    print(f"kvarn-tune on {args.model}: {describe(BUDGET)}", flush=True)
+    cpu0 = time.process_time()
+    _TUNE_RAN.append(True)
+    name = tune_default(args.model, BUDGET, str(out))
+    cpu = time.process_time() - cpu0
     if name is None:
-        print(
-            "kvarn-tune wrote no preset in the fast setting (its short texts are too noisy for a 1% budget); "
-            "the serve step uses the preset of the full tuning run in docs/tuned if present, else kvarn_k4v2_g128"
-        )
-        _SUMMARY["tune"] = "no preset within +1% in the fast setting (expected; see docs/tuning.md)"
-    else:
-        print(f"tuned preset: {name} in {out / f'{name}.yaml'} (`kvarn presets` lists it)")
-        _TUNED.append((name, out / f"{name}.yaml"))
-        _SUMMARY["tune"] = f"wrote {name}"
+        print("kvarn-tune wrote no preset (its message is above); the serve step serves kvarn_k4v2_g128")
+        _SUMMARY["tune"] = f"no preset within {BUDGET} (see above)"
+        return 1
+    file = out / f"{name}.yaml"
+    print(f"tuned preset: {name} in {file} (`kvarn presets` lists it); {cpu:.0f} CPU-seconds")
+    print(f"  {preset_line(name)}")
+    _TUNED.append((name, file))
+    _SUMMARY["tune"] = f"wrote {name} ({BUDGET}, {cpu:.0f} CPU-s)"
     return 0
 
 
+def preset_line(name: str) -> str:
+    """A tuned preset's scheme, bits per element and held-out figure, from its provenance."""
+    from kvarn.autotune.budget import parse_budget
+    from kvarn.autotune.objective import metric_of
+    from kvarn.schemes import get_preset
+
+    p = get_preset(name)
+    prov = p.provenance or {}
+    if "bits_per_element" not in prov:
+        return f"{p.scheme.name} (no tuning provenance)"
+    budget = parse_budget(str(prov["budget"]))
+    held = prov.get("heldout") or {}
+    figure = budget.fmt(metric_of(budget, held)) if held else "-"
+    docs = prov.get("heldout_docs")
+    where = ", ".join(docs) if isinstance(docs, list) else f"the held-out part of {prov.get('text', 'the text')}"
+    return (
+        f"{prov['scheme']}: {prov['bits_per_element']:.3f} bits/element ({16 / prov['bits_per_element']:.2f}x "
+        f"smaller than 16-bit), held-out {figure} on {where} (budget {budget.text})"
+    )
+
+
+COMMITTED_BUDGET = "1%"  # the budget of the full tuning run whose preset docs/tuned holds
+
+
 def _committed_preset(model: str) -> tuple[str, Path] | None:
-    """(name, file) of the 1% preset of the full tuning run in docs/tuned for ``model``, made
-    findable by name (prepended to ``KVARN_PRESET_PATH``, inherited by vLLM's processes); None if
-    absent."""
+    """(name, file) of the preset of the full tuning run in docs/tuned for ``model``, made findable
+    by name (prepended to ``KVARN_PRESET_PATH``, inherited by vLLM's processes); None if absent."""
     from kvarn.autotune.budget import parse_budget
     from kvarn.autotune.config import derived_name
     from kvarn.schemes.registry import PRESET_PATH_ENV
 
-    name = derived_name(model, parse_budget("1%"))
+    name = derived_name(model, parse_budget(COMMITTED_BUDGET))
     folder = Path(__file__).resolve().parents[1] / "docs" / "tuned"
     if not (folder / f"{name}.yaml").is_file():
         return None
@@ -107,10 +135,10 @@ def step_serve(args: argparse.Namespace) -> int:
     from kvarn.run_vllm import main as vllm_main
 
     candidates: list[tuple[str, Path | None]] = [*_TUNED]
-    if not candidates:
+    if not _TUNE_RAN:
         committed = _committed_preset(args.model)
         if committed is not None:
-            print(f"serving the preset of the full tuning run instead: {committed[0]} (docs/tuning.md)")
+            print(f"tune step skipped: serving the preset of the full tuning run, {committed[0]} (docs/tuning.md)")
             candidates.append(committed)
     candidates.append(("kvarn_k4v2_g128", None))
     for preset, file in candidates:
@@ -118,6 +146,8 @@ def step_serve(args: argparse.Namespace) -> int:
         if source is None:
             continue
         print(f"serving {preset} from {source}")
+        if file is not None:
+            print(f"  {preset_line(preset)}")
         try:
             if vllm_main(["--model", args.model, "--preset", preset], summary=_SUMMARY) == 0:
                 _SUMMARY["serve"] = f"{_SUMMARY.get('serve', preset)} from {source}"

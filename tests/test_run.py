@@ -11,6 +11,8 @@ import pytest
 import kvarn.run as run
 import kvarn.run_tune as run_tune
 import kvarn.run_vllm as run_vllm
+from kvarn.autotune.budget import parse_budget
+from kvarn.autotune.config import derived_name
 from kvarn.schemes import Preset, Scheme, save_preset
 
 NAME = "kvarn_smollm2_135m_1pct"
@@ -22,6 +24,7 @@ def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("KVARN_PRESET_PATH", "")  # restored after the test: the serve step sets it
     monkeypatch.setattr(run, "_TUNED", [])
+    monkeypatch.setattr(run, "_TUNE_RAN", [])
     monkeypatch.setattr(run, "_SUMMARY", {})
     calls: list[str] = []
 
@@ -34,35 +37,53 @@ def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
 
 
 def _tune_writes(monkeypatch: pytest.MonkeyPatch, scheme: Scheme | None) -> None:
+    """The tune step's kvarn-tune replaced: writes ``scheme`` under the name the real run derives."""
+
     def fake_tune(model: str, budget: str, out: str | None = None) -> str | None:
         if scheme is None:
             return None
         assert out is not None
-        save_preset(Preset(NAME, scheme), Path(out) / f"{NAME}.yaml")
-        return NAME
+        name = derived_name(model, parse_budget(budget))
+        prov = {"budget": budget, "scheme": scheme.name, "bits_per_element": 3.25, "heldout": {"kl": 0.0071},
+                "heldout_docs": ["python-docs:1/2"]}  # fmt: skip
+        save_preset(Preset(name, scheme, provenance=prov), Path(out) / f"{name}.yaml")
+        return name
 
     monkeypatch.setattr(run_tune, "tune_default", fake_tune)
 
 
-def test_serve_step_serves_the_tuned_file_and_names_it(
+def test_serve_step_serves_the_file_the_tune_step_wrote_by_its_name(
     served: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _tune_writes(monkeypatch, Scheme(3, 2, 64))
     args = argparse.Namespace(model="smollm2-135m")
     assert run.step_tune(args) == 0 and run.step_serve(args) == 0
-    assert served == [NAME]
-    tuned = tmp_path / "config" / "kvarn" / "presets" / f"{NAME}.yaml"
-    assert f"serving {NAME} from {tuned}" in capsys.readouterr().out
+    written = derived_name("smollm2-135m", parse_budget(run_tune.BUDGET))
+    assert served == [written]
+    tuned = tmp_path / "config" / "kvarn" / "presets" / f"{written}.yaml"
+    out = capsys.readouterr().out
+    assert f"serving {written} from {tuned}" in out
+    assert "3.250 bits/element" in out and "held-out KL 0.0071 on python-docs:1/2" in out
     assert str(tuned) in run._SUMMARY["serve"]
 
 
-def test_serve_step_skips_a_committed_preset_shadowed_by_another_file(
-    served: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_a_failed_tune_step_is_reported_and_the_builtin_served(
+    served: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """No preset tuned this run: docs/tuned's file is served only if its name resolves to it."""
+    """The committed preset stands in only for a skipped tune step, never for a failed one."""
     _tune_writes(monkeypatch, None)
     args = argparse.Namespace(model="smollm2-135m")
-    assert run.step_tune(args) == 0 and run.step_serve(args) == 0
+    assert run.step_tune(args) == 1 and run.step_serve(args) == 0
+    assert served == ["kvarn_k4v2_g128"]
+    assert "wrote no preset" in capsys.readouterr().out
+
+
+def test_skipped_tune_step_serves_the_committed_preset_unless_shadowed(
+    served: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No tune step: docs/tuned's file is served only if its name resolves to it."""
+    args = argparse.Namespace(model="smollm2-135m")
+    assert run.step_serve(args) == 0
     committed = Path(run.__file__).resolve().parents[1] / "docs" / "tuned" / f"{NAME}.yaml"
     assert served == [NAME] and f"serving {NAME} from {committed}" in capsys.readouterr().out
     # an earlier run's tuned file of that name in the user folder wins the lookup: not served as docs/tuned's
