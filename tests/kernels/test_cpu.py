@@ -696,3 +696,42 @@ def test_remembered_layers_take_new_step_tensors_and_still_check_indices() -> No
     as_long = (pb.cache, pb.block_table, pb.num_tiles.long(), *base[3:])
     with pytest.raises(KernelArgumentError, match="num_tiles dtype"):
         cpu.decode_attention(q, PagedContext(*as_long, **a.kwargs), out=torch.empty(3, 4, 64))  # type: ignore[arg-type]
+
+
+# --- dequantize of whole blocks (kvarn.kernels.cpu.dequant) against the reference codec ---------------------------
+
+
+@pytest.mark.parametrize(("name", "d", "dtype"), STORE_CASES)
+@pytest.mark.parametrize("built", [True, False], ids=["native", "reference"])
+def test_dequantize_blocks_matches_the_reference_codec(
+    name: str, d: int, dtype: torch.dtype, built: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks in any order from pages wider than a record -> [H, U, T, D] in the asked dtype: the
+    reference's numbers to float32 rounding (relative 1e-6), then rounded once to the dtype."""
+    from kvarn.codec import dequantize_tiles, quantize_tiles
+    from kvarn.kernels.cpu.dequant import dequantize_blocks
+
+    if built and not HAS_COMPILER:
+        pytest.skip("no C++ compiler: no native dequantize")
+    if not built:
+        monkeypatch.setattr(native, "extension", lambda: None)
+    sc = Scheme.from_name(name)
+    u, h, t = 5, 2, sc.group_size
+    k, v = store_inputs(sc, u, h, d, torch.float32, seed=d + len(name))
+    nb = sc.tile_bytes(d)
+    rec = quantize_tiles(k.reshape(u * h, t, d), v.reshape(u * h, t, d), sc).view(u, h, nb)
+    pages = torch.zeros(u + 3, h, nb + 16, dtype=torch.uint8)
+    blocks = torch.tensor([6, 0, 3, 7, 2])
+    pages[blocks, :, :nb] = rec
+    ref = [x.view(u, h, t, d).transpose(0, 1) for x in dequantize_tiles(rec.view(u * h, nb), sc, d)]
+    out = dequantize_blocks(pages[:, :, :nb], blocks, sc, d, dtype)
+    for mine, theirs in zip(out, ref, strict=True):
+        assert mine.shape == (h, u, t, d) and mine.dtype == dtype
+        scale = theirs.abs().amax((2, 3), keepdim=True).clamp_min(1e-30)  # per tile: they span 1e-6 to 1e3
+        exact = torch.testing.assert_close
+        exact(
+            mine.float() / scale,
+            (theirs.to(dtype).float() / scale),
+            rtol=0,
+            atol=1e-6 if dtype == torch.float32 else 2**-7,
+        )

@@ -111,9 +111,40 @@ void store(const at::Tensor& keys, const at::Tensor& values, at::Tensor& cache, 
   kvarn::store_tiles(a);
 }
 
+// Dequantize: the records cache[block_ids[u], h] into out_k, out_v [H, U, T, D] (one dtype, channels
+// contiguous); record as for store (its ITERS unused); rotate and signs as for store.
+void dequant(const at::Tensor& cache, const at::Tensor& block_ids, const at::Tensor& lut,
+             const std::vector<int64_t>& record, int64_t rotate, const at::Tensor& signs, at::Tensor& out_k,
+             at::Tensor& out_v, int64_t threads) {
+  TORCH_CHECK(record.size() == 12, "kvarn: record holds 12 fields");
+  TORCH_CHECK(out_k.dim() == 4 && out_v.sizes() == out_k.sizes() && out_v.strides() == out_k.strides() &&
+                  out_v.scalar_type() == out_k.scalar_type() && out_k.stride(3) == 1,
+              "kvarn: out_k and out_v must be [H, U, T, D] of one dtype and layout, channels contiguous");
+  TORCH_CHECK(out_k.size(2) <= 256 && out_k.size(3) <= 256 && out_k.size(2) % 8 == 0, "kvarn: tile shape");
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.is_contiguous() && block_ids.numel() == out_k.size(1),
+              "kvarn: block_ids");
+  TORCH_CHECK(cache.scalar_type() == at::kByte && cache.stride(2) == 1 && cache.size(1) == out_k.size(0), "kvarn: cache");
+  TORCH_CHECK(signs.numel() == 0 || (signs.scalar_type() == at::kFloat && signs.is_contiguous() &&
+                                     signs.numel() == out_k.size(3)), "kvarn: signs");
+  kvarn::DequantArgs a{};
+  a.H = out_k.size(0); a.U = out_k.size(1); a.T = out_k.size(2); a.D = out_k.size(3);
+  a.KB = record[0]; a.VB = record[1]; a.LOG8 = record[2];
+  a.KC = record[4]; a.VC = record[5]; a.KS = record[6]; a.KO = record[7]; a.KF = record[8];
+  a.VS = record[9]; a.VO = record[10]; a.VF = record[11];
+  a.NTHREADS = threads; a.DTYPE = dtype_code(out_k);
+  a.cache = cache.data_ptr<uint8_t>(); a.cache_sb = cache.stride(0); a.cache_sh = cache.stride(1);
+  a.block_ids = block_ids.data_ptr<int64_t>();
+  a.ROTATE = rotate; a.signs = signs.numel() ? signs.data_ptr<float>() : nullptr;
+  a.lut = lut.data_ptr<float>();
+  a.out_k = out_k.data_ptr(); a.out_v = out_v.data_ptr();
+  a.out_sh = out_k.stride(0); a.out_su = out_k.stride(1); a.out_st = out_k.stride(2);
+  kvarn::dequantize_blocks(a);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "kvarn CPU decode attention");
   m.def("store", &store, "kvarn CPU tile store");
+  m.def("dequant", &dequant, "kvarn CPU dequantize of paged blocks");
 }

@@ -41,9 +41,23 @@ struct StoreArgs {
   const float* lut;                         // [256] log8 values
 };
 
+// Dequantize the records of U blocks into unrotated keys and values, as kvarn.codec.dequantize_tiles.
+struct DequantArgs {
+  int64_t U, H, T, D, KB, VB, LOG8, NTHREADS;
+  int64_t KC, VC, KS, KO, KF, VS, VO, VF;   // byte offsets of the record's sections
+  const uint8_t* cache; int64_t cache_sb, cache_sh;  // byte strides of [num_blocks, H, >= tile_bytes]
+  const int64_t* block_ids;                 // [U], checked by the caller
+  int64_t ROTATE; const float* signs;       // as in StoreArgs
+  const float* lut;                         // [256] log8 values
+  int64_t DTYPE;                            // of the outputs: 0 f32, 1 f16, 2 bf16
+  void* out_k; void* out_v;                 // [H, U, T, D] ...
+  int64_t out_sh, out_su, out_st;           // ... element strides (channels contiguous)
+};
+
 // decode_attention returns 0, or which index is out of range (checked before any read): 1 num_tiles, 2 a block id,
 // 3 tail_lens, 4 tail_slot, 5 sink_slot.
 int decode_attention(const DecodeArgs& a);
 void store_tiles(const StoreArgs& a);
+void dequantize_blocks(const DequantArgs& a);
 
 }  // namespace kvarn

@@ -1,4 +1,5 @@
-"""Build, load and call the native CPU kernels (``decode.cpp``, ``store.cpp``, bound by ``bind.cpp``).
+"""Build, load and call the native CPU kernels (``decode.cpp``, ``store.cpp``, ``dequant.cpp``, bound by
+``bind.cpp``).
 
 The extension is built on first use by :func:`torch.utils.cpp_extension.load` (ninja and the system
 C++ compiler) with ``-O3 -march=native`` and OpenMP, retried without ``-march=native`` when the
@@ -21,6 +22,7 @@ from types import ModuleType
 
 import torch
 
+from kvarn.codec.rotation import rotation_signs
 from kvarn.codec.tiles import layout
 from kvarn.kernels._checks import KernelArgumentError, log8_table, rotation
 from kvarn.kernels.api import PagedContext
@@ -29,7 +31,7 @@ from kvarn.schemes.scheme import Scheme
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("bind.cpp", "decode.cpp", "store.cpp")
+SOURCES = ("bind.cpp", "decode.cpp", "dequant.cpp", "store.cpp")
 HEADERS = ("half.h", "kernels.h", "vec.h")
 FLAGS = ("-O3", "-fopenmp")
 NATIVE_FLAGS = ("-march=native",)  # retried without when the compiler refuses it
@@ -121,6 +123,16 @@ def store_record(scheme: Scheme, d: int) -> list[int]:
     fields = [scheme.key_bits, scheme.value_bits, int(scheme.scale_dtype == "log8"), scheme.norm_iters]
     fields += [lay.key_codes, lay.value_codes, lay.key_scale, lay.key_offset, lay.key_factor]
     return fields + [lay.value_scale, lay.value_offset, lay.value_factor]
+
+
+def rotation_args(scheme: Scheme, d: int) -> tuple[int, torch.Tensor]:
+    """The store's and dequantize's rotation arguments: (0 none / 1 Hadamard, signs [D] float32 or empty)."""
+    if scheme.rotation == "none":
+        return 0, _NO_SIGNS
+    return 1, _NO_SIGNS if scheme.rotation == "hadamard" else rotation_signs(scheme.rotation, d)
+
+
+_NO_SIGNS = torch.empty(0)
 
 
 def _i32(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ with ``m = max(lse_p, lse_e)``. So no mask is built:
 
 * **packed part**: no mask at all. The step planner cuts a request's new tokens into one sequence
   (segment) per tile; consecutive segments whose tiles are a prefix of the next one's (the segments
-  of one request) form a *chain*. Every tile any segment reads is dequantized once per call, the
+  of one request) form a *chain*. Every tile any segment reads is dequantized once per call
+  (:func:`kvarn.kernels.cpu.dequant.dequantize_blocks`, native), the
   chain's keys are gathered once, at its longest segment's length, and each segment attends a
   prefix of them.
 * **exact part**: the tail rows and the new tokens of every segment padded to a common width, the
@@ -28,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from kvarn.codec.tiles import dequantize_tiles
 from kvarn.kernels.api import PagedContext
+from kvarn.kernels.cpu.dequant import dequantize_blocks
 
 EXACT_GROUPS = 4  # flash-attention calls for the exact parts, segments grouped by their width
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -144,9 +145,9 @@ def _packed_part(
     src_k, src_v = [], []
     u = blocks.shape[0]
     if u:
-        dk, dv = dequantize_tiles(p.cache[blocks].reshape(u * h, -1), p.scheme, d, dtype=q.dtype)  # [U*H, T, D]
-        src_k.append(dk.view(u, h, t, d).transpose(0, 1).reshape(h, u * t, d))
-        src_v.append(dv.view(u, h, t, d).transpose(0, 1).reshape(h, u * t, d))
+        dk, dv = dequantize_blocks(p.cache, blocks, p.scheme, d, q.dtype)  # [H, U, T, D]
+        src_k.append(dk.view(h, u * t, d))
+        src_v.append(dv.view(h, u * t, d))
     sink_slot = torch.zeros(bsz, dtype=torch.long)
     cap = 0
     if p.sink_k is not None and p.sink_v is not None and bool((sink > 0).any()):

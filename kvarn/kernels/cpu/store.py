@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 
 from kvarn.codec import quantize_tiles
-from kvarn.codec.rotation import rotation_signs
 from kvarn.kernels._checks import KernelArgumentError, check_store, log8_table, refuse_non_finite
 from kvarn.kernels.cpu import native
 from kvarn.kernels.cpu._checks import CPU
@@ -36,7 +35,6 @@ from kvarn.schemes.scheme import Scheme
 __all__ = ["quantize_tiles_cpu", "store_tiles"]
 
 IMPLS = ("auto", "native", "reference")
-_NO_SIGNS = torch.empty(0)
 
 
 def store_tiles(
@@ -91,18 +89,9 @@ def store_tiles(
         ids,
         log8_table(CPU),
         native.store_record(scheme, d),
-        *_rotation(scheme, d),
+        *native.rotation_args(scheme, d),
         torch.get_num_threads(),
     )
-
-
-def _rotation(scheme: Scheme, d: int) -> tuple[int, torch.Tensor]:
-    """The native store's rotation arguments: (0 none / 1 Hadamard, signs [D] float32 or empty)."""
-    if scheme.rotation == "none":
-        return 0, _NO_SIGNS
-    if scheme.rotation == "hadamard":
-        return 1, _NO_SIGNS
-    return 1, rotation_signs(scheme.rotation, d)
 
 
 def quantize_tiles_cpu(keys: torch.Tensor, values: torch.Tensor, scheme: Scheme) -> torch.Tensor:
