@@ -2,7 +2,7 @@
 
 Example::
 
-    kvarn-tune --model smollm2-135m --budget 1% --trials 30 --storage sqlite:///study.db
+    kvarn-tune --model smollm2-135m --budget kl=0.01 --storage sqlite:///study.db
 
 Exit codes: 0 a preset was written; 1 bad arguments; 2 the budget is unreachable in the trials run
 (the closest trade-off is printed); 3 no calibration winner held on held-out text; 130 interrupted
@@ -56,10 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="model alias or local Hugging Face folder")
     p.add_argument(
         "--budget",
-        required=True,
-        help="'1%%' or 'ppl=1%%' (perplexity increase in percent, above 0 and at most 100), 'kl=0.01' (mean KL "
-        "divergence in nats, above 0) or 'greedy=200' (greedy tokens that agree with the 16-bit cache, a whole "
-        "number above 0)",
+        default="kl=0.01",
+        help="'kl=0.01' (mean KL divergence in nats, above 0; the default and the recommended form: it varies "
+        "far less between texts than perplexity, docs/tuning.md), '1%%' or 'ppl=1%%' (perplexity increase in "
+        "percent, above 0 and at most 100) or 'greedy=200' (greedy tokens that agree with the 16-bit cache, a "
+        "whole number above 0; needs --text)",
     )
     p.add_argument(
         "--text",

@@ -86,6 +86,22 @@ def test_run_writes_preset_that_loads_by_name(
     assert (tmp_path / "presets" / "my_tuned.png").stat().st_size > 1000
 
 
+def test_default_run_tunes_a_kl_budget_on_documents_of_kinds_it_names(
+    tmp_path: Path, fake: FakeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No --budget, no --text: kl=0.01 on the default documents, which the provenance names."""
+    out = tmp_path / "presets"
+    args = ["--strategy", "ladder", "--tokens", "1024", "--out", str(out), "--cache-dir", str(tmp_path), "--quiet"]
+    assert cli.main(args) == 0
+    monkeypatch.setenv("KVARN_PRESET_PATH", str(out))
+    prov = get_preset("kvarn_smollm2_135m_kl0p01").provenance
+    assert prov["budget"] == "kl=0.01" and prov["metric"] == "kl" and prov["heldout"]["kl"] <= 0.01
+    assert prov["split"] == "documents" and prov["calibration_docs"] == ["gpl-3", "kvarn-code"]
+    assert prov["heldout_docs"] == ["python-docs:1/2", "python-docs:2/2"] and "python-docs" in prov["text"]
+    calib, held = fake.made
+    assert "GNU GENERAL PUBLIC LICENSE" in calib.text and "GNU GENERAL PUBLIC LICENSE" not in held.text
+
+
 def test_json_and_unreachable_budget(tmp_path: Path, fake: FakeFactory, capsys: pytest.CaptureFixture[str]) -> None:
     args = _run(tmp_path, "--json", "--no-per-layer", "--trials", "4")
     args[1] = "0.001%"
