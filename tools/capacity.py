@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.vllm.synthetic
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvarn.testing.synthetic
 
 from kvarn.vllm.engine import cpu_engine, kv_tokens  # noqa: E402
 
@@ -39,9 +39,9 @@ def pools_mib(llm: Any) -> float:
     sliding-window layers or a preset's fp16 layers (vLLM's own cache)."""
     from kvarn.schemes import get_preset
     from kvarn.vllm.admission import FULL, fp16_layers, layer_types
+    from kvarn.vllm.context import layout_for
     from kvarn.vllm.plugin import is_kvarn_dtype
     from kvarn.vllm.pools import pool_bytes
-    from kvarn.vllm.tail import layout_for
 
     cfg = llm.llm_engine.vllm_config
     if not is_kvarn_dtype(cfg.cache_config.cache_dtype):
@@ -98,8 +98,8 @@ def capacity(
     from tqdm import tqdm
 
     from kvarn.models import resolve_model
+    from kvarn.testing.synthetic import make_tiny_llama
     from kvarn.vllm.plugin import register
-    from tests.vllm.synthetic import make_tiny_llama
 
     register()  # preset names (KVARN_PRESET_PATH too) resolve before any engine starts
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
@@ -183,7 +183,7 @@ LLAMA3_8B = {  # Llama-3-8B's attention shapes; a config only, no weights
 
 def _running_cost(llm_config: Any) -> int:
     """Blocks a running request holds beyond its tiles (kvarn's tail blocks; 0 for other dtypes)."""
-    from kvarn.vllm.tail import layout_for
+    from kvarn.vllm.context import layout_for
 
     layout = layout_for(llm_config)
     return layout.blocks if layout is not None else 0
@@ -241,11 +241,12 @@ def defaults_llama3_8b(dtypes: list[str], kv_gib: int = 54, max_num_seqs: int = 
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from kvarn.schemes import get_preset
+    from kvarn.testing.synthetic import write_config_only
+    from kvarn.vllm.context import layout_for
     from kvarn.vllm.pages import layer_page_bytes, packed_spec
     from kvarn.vllm.plugin import is_kvarn_dtype, register, resolve_dtype
     from kvarn.vllm.pools import pool_bytes, sink_capacity
-    from kvarn.vllm.tail import layout_for, with_tail
-    from tests.vllm.synthetic import write_config_only
+    from kvarn.vllm.tail import with_tail
 
     register()
     rows = []

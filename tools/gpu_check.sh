@@ -102,7 +102,7 @@ step "kvarn eval on CUDA (bfloat16, decode mode)"
 EVAL_MODEL="${KVARN_GPU_EVAL_MODEL:-}"
 if [ -z "$EVAL_MODEL" ]; then
     EVAL_MODEL="$LOG_DIR/tiny_llama"
-    "$PY" -m tests.models.builders llama "$EVAL_MODEL" --hidden 256 --layers 4 >"$LOG_DIR/eval-model.log" 2>&1 ||
+    "$PY" -m kvarn.testing.builders llama "$EVAL_MODEL" --hidden 256 --layers 4 >"$LOG_DIR/eval-model.log" 2>&1 ||
         fail "building the tiny random Llama (see $LOG_DIR/eval-model.log)"
 fi
 set +e

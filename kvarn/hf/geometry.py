@@ -130,10 +130,26 @@ def _layer_types_and_windows(text: Any) -> tuple[list[str], list[int | None]]:
         return list(types), [
             kw.get("sliding_window") if t == SLIDING else None for t, kw in zip(types, kwargs, strict=True)
         ]
-    layers = int(text.num_hidden_layers)  # a plain namespace (tests, duck-typed configs): the same rules
+    types = layer_types(text)  # a plain namespace (tests, duck-typed configs): the same rules
     window = getattr(text, "sliding_window", None)
-    types = getattr(text, "layer_types", None) or [FULL if window is None else SLIDING] * layers
-    return list(types), [window if t == SLIDING else None for t in types]
+    return types, [window if t == SLIDING else None for t in types]
+
+
+def layer_types(config: Any) -> list[str]:
+    """Each layer's attention type, as transformers reads it: ``layer_types``, else every layer
+    ``sliding_attention`` when ``sliding_window`` is set (and ``use_sliding_window`` is not false), else
+    every layer ``full_attention`` (one layer at least).
+
+    The one reader of a config's layer types for kvarn's caches (:func:`cache_geometry`) and its vLLM
+    admission (:mod:`kvarn.vllm.admission`).
+    """
+    n = int(getattr(config, "num_hidden_layers", 0) or 0)
+    types = list(getattr(config, "layer_types", None) or [])
+    if types:
+        return types
+    window = getattr(config, "sliding_window", None)
+    sliding = window is not None and getattr(config, "use_sliding_window", True) is not False
+    return [SLIDING if sliding else FULL] * max(n, 1)
 
 
 def _kv_heads(c: Any) -> int:

@@ -1,5 +1,5 @@
 """The contract both attention backends implement: one argument (:class:`PagedContext`) and one
-protocol (:class:`AttentionOps`); :func:`ops_for` picks the backend of a device.
+protocol (:class:`AttentionOps`); :func:`kvarn.kernels.dispatch.ops_for` picks the backend of a device.
 
 Paged cache layout (one layer)::
 
@@ -38,7 +38,7 @@ import torch
 
 from kvarn.schemes.scheme import Scheme
 
-__all__ = ["AttentionOps", "PagedContext", "ops_for", "split_lengths"]
+__all__ = ["AttentionOps", "PagedContext", "split_lengths"]
 
 
 @dataclass(frozen=True)
@@ -120,17 +120,6 @@ class AttentionOps(Protocol):
     ) -> None:
         """Quantize full tiles ``[N, H, T, D]`` into records ``cache[block_ids[n], h]``, in place."""
         ...
-
-
-def ops_for(device: torch.device) -> AttentionOps:
-    """The backend for tensors on ``device``: Triton on CUDA, the CPU ops elsewhere."""
-    if device.type == "cuda":
-        from kvarn.kernels.triton import ops as triton_ops
-
-        return triton_ops
-    from kvarn.kernels.cpu import ops as cpu_ops
-
-    return cpu_ops
 
 
 def split_lengths(seq_lens: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

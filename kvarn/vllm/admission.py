@@ -8,7 +8,7 @@ an engine process starts) and from the platform's config update (:func:`mla_sett
   layer overrides) to vLLM's own cache through ``kv_cache_dtype_skip_layers``;
 - :func:`mla_settings` sets an MLA model's block size, chunked prefill and prefix caching.
 
-The checks take the Scheme the registry resolved for the dtype (:data:`kvarn.vllm.registry.DTYPES`).
+The checks take the engine's :class:`~kvarn.vllm.context.EngineContext` (its Scheme resolved once).
 """
 
 from __future__ import annotations
@@ -18,20 +18,22 @@ from typing import Any
 
 import torch
 
+from kvarn.hf.geometry import FULL, SLIDING, layer_types
 from kvarn.schemes import PresetError, Scheme, UnknownSchemeError
 from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
-from kvarn.vllm.registry import is_kvarn_dtype, scheme_of
+from kvarn.vllm.context import EngineContext
+from kvarn.vllm.registry import is_kvarn_dtype
 
 logger = logging.getLogger("kvarn.vllm")
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+__all__ = ["FULL", "SLIDING", "check_model", "fp16_layers", "keep_16bit_layers", "layer_types", "served_bits"]
 
 
-def check_model(name: str, scheme: Scheme, vllm_config: Any) -> None:
+def check_model(ctx: EngineContext, vllm_config: Any) -> None:
     """Start-up checks in the front-end process: raise ``ValueError`` naming what kvarn cannot serve
-    with ``scheme`` (the Scheme of the dtype ``name``)."""
+    with the engine's scheme (``ctx.scheme``, of the dtype ``ctx.name``)."""
+    name, scheme = ctx.name, ctx.scheme
     model = vllm_config.model_config
-    block = vllm_config.cache_config.block_size
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         raise ValueError(
             f"kv_cache_dtype={name!r} cannot be served with a KV connector (--kv-transfer-config): connectors "
@@ -45,11 +47,41 @@ def check_model(name: str, scheme: Scheme, vllm_config: Any) -> None:
     hybrid = model is not None and getattr(model, "is_hybrid", False)
     if hybrid:
         _check_hybrid_pages(name, scheme, vllm_config)
-    if block != scheme.group_size and not (hybrid and block % scheme.group_size == 0):
+    ctx.check_block_size(vllm_config.cache_config.block_size)
+
+
+def check_layer(
+    name: str,
+    head_size: int,
+    *,
+    sliding_window: int | None,
+    alibi_slopes: Any,
+    logits_soft_cap: float | None,
+    kv_sharing_target_layer_name: str | None,
+    sinks: Any,
+    attn_type: str,
+) -> None:
+    """An attention layer as vLLM builds it for the kvarn dtype ``name`` (in the engine): raise
+    ``ValueError`` naming what the kvarn backend does not serve."""
+    bad = []
+    if sliding_window is not None:
+        bad.append(f"sliding window ({sliding_window})")
+    if alibi_slopes is not None:
+        bad.append("ALiBi")
+    if logits_soft_cap:
+        bad.append(f"logits soft cap ({logits_soft_cap})")
+    if kv_sharing_target_layer_name is not None:
+        bad.append("KV sharing between layers")
+    if sinks is not None:
+        bad.append("attention sinks")
+    if attn_type != "decoder":
+        bad.append(f"attention type {attn_type}")
+    if head_size not in ALLOWED_HEAD_DIMS:
+        bad.append(f"head_dim {head_size} (supported: {', '.join(map(str, ALLOWED_HEAD_DIMS))})")
+    if bad:
         raise ValueError(
-            f"kv_cache_dtype={name!r} needs block_size={scheme.group_size} (one vLLM block = one tile), "
-            f"got block_size={block}; pass block_size={scheme.group_size} (--block-size {scheme.group_size}) "
-            "or leave it unset"
+            f"kv_cache_dtype={name!r} cannot serve this model: unsupported {', '.join(bad)}. "
+            "Serve it with another kv_cache_dtype."
         )
 
 
@@ -178,19 +210,6 @@ def _mla_problems(scheme: Scheme, model: Any) -> list[str]:
     return bad
 
 
-def layer_types(hf_config: Any) -> list[str]:
-    """Each layer's attention type, as transformers reads it: ``layer_types``, else every layer
-    ``sliding_attention`` when ``sliding_window`` is set (and ``use_sliding_window`` is not false), else
-    every layer ``full_attention``."""
-    n = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
-    types = list(getattr(hf_config, "layer_types", None) or [])
-    if types:
-        return types
-    window = getattr(hf_config, "sliding_window", None)
-    sliding = window is not None and getattr(hf_config, "use_sliding_window", True) is not False
-    return [SLIDING if sliding else FULL] * max(n, 1)
-
-
 def keep_16bit_layers(vllm_config: Any, scheme: Scheme) -> list[str]:
     """Give the layers kvarn does not quantize to vLLM's own 16-bit cache, spec and attention backend,
     through vLLM's ``kv_cache_dtype_skip_layers`` (vLLM builds a layer with ``kv_cache_dtype="auto"``
@@ -243,7 +262,7 @@ def mla_settings(vllm_config: Any) -> None:
     if model is None or not getattr(model, "use_mla", False) or not is_kvarn_dtype(cache.cache_dtype):
         return
     try:
-        tile = scheme_of(cache.cache_dtype).group_size
+        tile = EngineContext.from_config(vllm_config).group_size
     except (UnknownSchemeError, PresetError):
         return  # resolve_dtype reports it
     cache.block_size = tile

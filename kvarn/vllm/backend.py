@@ -3,15 +3,16 @@
 A layer's page is one tile record per KV head (:mod:`kvarn.vllm.pages`). Partially filled tiles
 live in a staging pool (:mod:`kvarn.vllm.staging`) and, for schemes with a sink (exact first
 tokens, or KVarN's 16-bit first tile), each sequence's first tokens in a sink pool
-(:mod:`kvarn.vllm.sinks`). Both pools hold ``max_num_seqs`` slots per layer, allocated when the
-layer is built, before vLLM measures memory for the KV cache, so the KV capacity vLLM reports is
-net of them (an explicit ``kv_cache_memory_bytes`` is reduced by their size). The metadata builder
+(:mod:`kvarn.vllm.sinks`). Both pools hold ``max_num_seqs`` slots per layer, allocated once the
+layer's weights are loaded, before vLLM measures memory for the KV cache, so the KV capacity vLLM
+reports is net of them (an explicit ``kv_cache_memory_bytes`` is reduced by their size). The metadata builder
 plans slots and builds every device tensor of a step once (:mod:`kvarn.vllm.planner`,
 :mod:`kvarn.vllm.step`); a layer's forward only launches ops (:mod:`kvarn.vllm.forward`):
 tile-causal attention over pages, staging and sink pools read in place by slot id.
 
-Each impl holds the Scheme its ``kv_cache_dtype`` names (:data:`kvarn.vllm.registry.DTYPES`) and,
-from its first forward, its own layer's scheme (``scheme.for_layer(i)``).
+Each impl and builder holds its engine's :class:`~kvarn.vllm.context.EngineContext` (the Scheme
+its ``kv_cache_dtype`` names, resolved once) and each impl, from its first forward, its own
+layer's scheme.
 """
 
 from __future__ import annotations
@@ -36,15 +37,16 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvarn.schemes import Scheme
 from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
+from kvarn.vllm.admission import check_layer
+from kvarn.vllm.context import EngineContext, context_of, current_context
 from kvarn.vllm.forward import run_layer
-from kvarn.vllm.pages import ACTIVE, hybrid_token_bytes, layer_page_bytes, packed_spec, page_bytes
+from kvarn.vllm.pages import hybrid_token_bytes, layer_page_bytes, packed_spec, page_bytes
 from kvarn.vllm.planner import StepPlanner, shared_planner
-from kvarn.vllm.pools import pool_bytes, reserve, sink_capacity
-from kvarn.vllm.registry import DTYPES, is_kvarn_dtype, scheme_of
+from kvarn.vllm.pools import Pool, pool_bytes, zeros_pool
+from kvarn.vllm.registry import is_kvarn_dtype
 from kvarn.vllm.sinks import SinkPool
 from kvarn.vllm.staging import StagingPool
 from kvarn.vllm.step import StepTensors
-from kvarn.vllm.tail import layout_for
 
 logger = logging.getLogger("kvarn.vllm")
 
@@ -101,8 +103,8 @@ class KvarnAttentionBackend(AttentionBackend):
         """
         if spec.state_content_bytes is not None:
             return spec
-        scheme, layers = ACTIVE.require()
-        return packed_spec(spec, scheme, page_bytes(scheme, spec.head_size, layers))
+        ctx = current_context()
+        return packed_spec(spec, ctx.scheme, page_bytes(ctx.scheme, spec.head_size, ctx.num_layers))
 
 
 class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
@@ -111,8 +113,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.planner = shared_planner(vllm_config, kv_cache_spec.block_size, layer_names, StepPlanner)
-        self.scheme = self.planner.scheme
+        self.ctx = context_of(vllm_config)
+        self.planner = shared_planner(self.ctx, kv_cache_spec.block_size, layer_names, StepPlanner)
+        self.scheme = self.ctx.scheme
 
     @property
     def pool(self) -> StagingPool | None:
@@ -129,7 +132,8 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
 
 
 class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
-    """Per-layer attention over packed tiles plus staged and new tokens; owns the layer's pools."""
+    """Per-layer attention over packed tiles plus staged and new tokens; owns the layer's pools
+    (allocated by :meth:`process_weights_after_loading`)."""
 
     kvarn_pools = True  # its staging and sink pools key on blocks (kvarn.vllm.live publishes the live ones)
 
@@ -147,65 +151,43 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         kv_sharing_target_layer_name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        self.scheme = scheme_of(kv_cache_dtype)
-        bad = []
-        if sliding_window is not None:
-            bad.append(f"sliding window ({sliding_window})")
-        if alibi_slopes is not None:
-            bad.append("ALiBi")
-        if logits_soft_cap:
-            bad.append(f"logits soft cap ({logits_soft_cap})")
-        if kv_sharing_target_layer_name is not None:
-            bad.append("KV sharing between layers")
-        if kwargs.get("sinks") is not None:
-            bad.append("attention sinks")
-        if attn_type != AttentionType.DECODER:
-            bad.append(f"attention type {attn_type}")
-        if head_size not in ALLOWED_HEAD_DIMS:
-            bad.append(f"head_dim {head_size} (supported: {', '.join(map(str, ALLOWED_HEAD_DIMS))})")
-        if bad:
-            raise ValueError(
-                f"kv_cache_dtype={kv_cache_dtype!r} cannot serve this model: unsupported {', '.join(bad)}. "
-                "Serve it with another kv_cache_dtype."
-            )
-        config = get_current_vllm_config()
-        model = config.model_config
-        assert model is not None  # vLLM builds attention layers from a model config
-        num_layers = model.get_num_layers(config.parallel_config)
-        ACTIVE.record(self.scheme, num_layers)
-        page_bytes(self.scheme, head_size, num_layers)  # raises if no layer has a kvarn page
-        block = config.cache_config.block_size
-        if block % self.scheme.group_size:
-            raise ValueError(
-                f"kv_cache_dtype={kv_cache_dtype!r} needs block_size={self.scheme.group_size} "
-                f"(one vLLM block = one tile), got block_size={block}; pass "
-                f"block_size={self.scheme.group_size} (--block-size {self.scheme.group_size})"
-            )
+        check_layer(
+            kv_cache_dtype,
+            head_size,
+            sliding_window=sliding_window,
+            alibi_slopes=alibi_slopes,
+            logits_soft_cap=logits_soft_cap,
+            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
+            sinks=kwargs.get("sinks"),
+            attn_type=attn_type,
+        )
+        self.ctx: EngineContext = context_of(get_current_vllm_config())
+        self.scheme = self.ctx.scheme
+        page_bytes(self.scheme, head_size, self.ctx.num_layers)  # raises if no layer has a kvarn page
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.layer_scheme: Scheme | None = None
-        self.ops = DTYPES.ops()  # None: by the query's device (kvarn.kernels.api.ops_for)
-        # the pools, allocated now: before vLLM measures memory for the KV cache. Partial tiles wait in
-        # the requests' own tail blocks (kvarn.vllm.tail) except where that layout does not apply.
-        slots = DTYPES.staging_slots(config.scheduler_config.max_num_seqs)
-        dtype = model.dtype
-        assert isinstance(dtype, torch.dtype)  # resolved from "auto" etc. when the config was built
-        device = torch.device(str(config.device_config.device))
-        staging = layout_for(config) is None
-        self.stage: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.ops = self.ctx.ops
+        # the layer's pools: partial tiles wait in the requests' own tail blocks (kvarn.vllm.tail) except
+        # where that layout does not apply (a staging pool then); exact first tokens in a sink pool
+        self.stage: Pool | None = None
+        self.sink: Pool | None = None
+        self.allocated = False
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """Allocate the layer's pools (once), before vLLM measures memory for the KV cache, and count
+        them against it (vLLM calls this when the model's weights are loaded)."""
+        if self.allocated:
+            return
+        ctx, h, d = self.ctx, self.num_kv_heads, self.head_size
+        staging = ctx.layout is None
         if staging:
-            shape = (slots, num_kv_heads, self.scheme.group_size, head_size)
-            self.stage = (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-        self.sink: tuple[torch.Tensor, torch.Tensor] | None = None
-        cap = sink_capacity(self.scheme)
-        if cap:
-            shape = (slots, num_kv_heads, cap, head_size)
-            self.sink = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        reserve(config, pool_bytes(self.scheme, num_kv_heads, head_size, dtype, slots, staging=staging))
+            self.stage = zeros_pool(ctx.slots, h, ctx.group_size, d, ctx.dtype, ctx.device)
+        if ctx.sink_capacity:
+            self.sink = zeros_pool(ctx.slots, h, ctx.sink_capacity, d, ctx.dtype, ctx.device)
+        ctx.reserve(pool_bytes(self.scheme, h, d, ctx.dtype, ctx.slots, staging=staging))
+        self.allocated = True
 
     def layer_spec(self, spec: AttentionSpec, layer_name: str) -> AttentionSpec:
         """Layer ``layer_name``'s packed spec: a page of its own scheme's tile record per KV head."""
@@ -214,7 +196,7 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
 
     def _layer_scheme(self, layer: Any) -> Scheme:
         if self.layer_scheme is None:
-            s = self.scheme.for_layer(extract_layer_index(layer.layer_name))
+            s = self.ctx.layer_scheme(extract_layer_index(layer.layer_name))
             if s is None:  # the plugin gives such layers to vLLM's own cache; kept for safety
                 raise ValueError(f"{self.scheme.name}: layer {layer.layer_name} is unquantized")
             self.layer_scheme = s
@@ -268,7 +250,7 @@ def shared_page(vllm_config: VllmConfig) -> int | None:
     ]
     if not kvarn or not sliding:
         return None
-    widest = max(a.num_kv_heads * page_bytes(a.impl.scheme, a.head_size, ACTIVE.num_layers) for a in kvarn)
+    widest = max(a.num_kv_heads * page_bytes(a.impl.scheme, a.head_size, a.impl.ctx.num_layers) for a in kvarn)
     per_block = max(
         a.num_kv_heads
         * (a.head_size + a.head_size_v)
@@ -282,8 +264,8 @@ def shared_page(vllm_config: VllmConfig) -> int | None:
 def hybrid_probe(vllm_config: VllmConfig) -> type[AttentionBackend]:
     """The backend vLLM's hybrid block-size alignment should ask: kvarn's, with a page of one token of
     :func:`hybrid_token_bytes` and the tile as its only kernel block size."""
-    token = hybrid_token_bytes(vllm_config)
-    tile = scheme_of(str(vllm_config.cache_config.cache_dtype)).group_size
+    ctx = EngineContext.from_config(vllm_config)
+    token, tile = hybrid_token_bytes(ctx), ctx.group_size
 
     class HybridProbe(KvarnAttentionBackend):
         @classmethod

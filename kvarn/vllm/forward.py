@@ -3,8 +3,8 @@
 No loop over requests, no host synchronisation, no tensor built from Python lists. Partial tiles
 are read by slot id from the step's scratch tiles, loaded from the requests' tail pages
 (:mod:`kvarn.vllm.tail`), or, for MLA and hybrid models, from the staging pool allocated at start-up;
-sink slots from the sink pool. The ops are the :class:`~kvarn.kernels.api.AttentionOps` of the query's device
-(:func:`ops_for`: Triton on CUDA, the CPU ops elsewhere), over one
+sink slots from the sink pool. The ops are the engine's :class:`~kvarn.kernels.api.AttentionOps`
+(:attr:`kvarn.vllm.context.EngineContext.ops`), over one
 :class:`~kvarn.kernels.api.PagedContext` per layer and step. Tiles are stored without the NaN check
 of ``check_finite`` (a host sync per layer).
 """
@@ -13,21 +13,29 @@ from __future__ import annotations
 
 import torch
 
-from kvarn.kernels.api import AttentionOps, PagedContext, ops_for
+from kvarn.kernels.api import AttentionOps, PagedContext
+from kvarn.kernels.dispatch import ops_for
 from kvarn.schemes import Scheme
+from kvarn.vllm.pools import Pool
 from kvarn.vllm.step import StepTensors, Writes
 from kvarn.vllm.tail import load_rows, save_rows
 
-Pool = tuple[torch.Tensor, torch.Tensor]  # keys, values: [num_slots, H, rows, D] model dtype
 
-
-def _write(pool: Pool, key: torch.Tensor, value: torch.Tensor, w: Writes | None) -> None:
-    """``pool[slot[n], :, row[n]] = key/value[src[n]]`` for every write ``n``."""
+def write_rows(pool: torch.Tensor, rows: torch.Tensor, w: Writes | None) -> None:
+    """``pool[slot[n], :, row[n]] = rows[src[n]]`` for every write ``n``: ``pool`` ``[S, H, R, D]``,
+    ``rows`` ``[N, H, D]`` (an MLA pool ``[S, R, W]`` as ``[S, 1, R, W]``)."""
     if w is None:
         return
     src, slot, row = w
-    pool[0][slot, :, row] = key.index_select(0, src).to(pool[0].dtype)
-    pool[1][slot, :, row] = value.index_select(0, src).to(pool[1].dtype)
+    pool[slot, :, row] = rows.index_select(0, src).to(pool.dtype)
+
+
+def _write(pool: Pool, key: torch.Tensor, value: torch.Tensor, w: Writes | None) -> None:
+    """Keys and values of the writes ``w`` into ``pool`` (:func:`write_rows`)."""
+    if w is None:
+        return
+    write_rows(pool[0], key, w)
+    write_rows(pool[1], value, w)
 
 
 def gather_full_tiles(
@@ -88,7 +96,7 @@ def run_layer(
         scheme: this layer's scheme (no per-layer overrides).
         scale: softmax scale.
         out: ``[N, Hq, D]``; rows ``0..st.num_tokens-1`` are written.
-        ops: the attention ops (default :func:`ops_for` the query's device).
+        ops: the attention ops (default :func:`~kvarn.kernels.dispatch.ops_for` the query's device).
     """
     n = st.num_tokens
     q, k, v, o = query[:n], key[:n], value[:n], out[:n]

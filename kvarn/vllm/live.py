@@ -3,7 +3,8 @@
 The model runner knows, for every request it holds, its block ids and ``num_computed_tokens``; the
 attention metadata builder sees only the requests scheduled in the step. :func:`publish` runs after
 the runner's ``_update_states`` (at the start of every step, before the metadata is built:
-:func:`kvarn.vllm.patches.patch_update_states`) and fills :data:`kvarn.vllm.staging.LIVE_BLOCKS`:
+:func:`kvarn.vllm.patches.patch_update_states`) and fills the engine's
+:class:`~kvarn.vllm.staging.LiveBlocks` (:attr:`kvarn.vllm.context.EngineContext.live`):
 
 * ``blocks``: the block each live request fills next, ``block_ids[num_computed_tokens // block_size]``
   (not its last block: with speculative decoding vLLM allocates blocks ahead, and a rejected draft
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvarn.vllm.staging import LIVE_BLOCKS
+from kvarn.vllm.staging import LiveBlocks
 
 
 def kvarn_groups(runner: Any) -> list[tuple[int, int, int, int]]:
@@ -64,8 +65,8 @@ def kvarn_groups(runner: Any) -> list[tuple[int, int, int, int]]:
     return groups
 
 
-def publish(runner: Any, scheduler_output: Any) -> None:
-    """Fill :data:`LIVE_BLOCKS` from a model runner's requests after it applied ``scheduler_output``.
+def publish(runner: Any, scheduler_output: Any, live: LiveBlocks) -> None:
+    """Fill ``live`` from a model runner's requests after it applied ``scheduler_output``.
 
     Only the groups of kvarn layers count, each at its own block size (:func:`kvarn_groups`)."""
     preempted: set[str] = runner.__dict__.setdefault("_kvarn_preempted", set())
@@ -85,4 +86,4 @@ def publish(runner: Any, scheduler_output: Any) -> None:
             done = int(req.num_computed_tokens)
             if done // size < len(ids):
                 blocks.add(ids[done // size] * stride + done % size // tile)
-    LIVE_BLOCKS.blocks, LIVE_BLOCKS.first = blocks, first
+    live.blocks, live.first = blocks, first

@@ -38,12 +38,11 @@ from vllm.model_executor.layers.attention.mla_attention import (  # isort: skip
 )
 
 from kvarn.codec.latent import dequantize_latent, latent_tile_bytes, quantize_latent, rope_dtype
-from kvarn.schemes import Scheme
-from kvarn.vllm.forward import gather_full_tiles
-from kvarn.vllm.pages import ACTIVE, packed_spec
+from kvarn.vllm.context import EngineContext, context_of, current_context
+from kvarn.vllm.forward import gather_full_tiles, write_rows
+from kvarn.vllm.pages import packed_spec
 from kvarn.vllm.planner import Planner, shared_planner
-from kvarn.vllm.pools import reserve, sink_capacity
-from kvarn.vllm.registry import DTYPES, is_kvarn_dtype, scheme_of
+from kvarn.vllm.registry import is_kvarn_dtype
 from kvarn.vllm.step import StepTensors, Writes
 
 
@@ -108,7 +107,7 @@ class KvarnMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata[Any]]):
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.planner = shared_planner(vllm_config, kv_cache_spec.block_size, layer_names, MLAPlanner)
+        self.planner = shared_planner(context_of(vllm_config), kv_cache_spec.block_size, layer_names, MLAPlanner)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -118,12 +117,12 @@ class KvarnMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata[Any]]):
         return md
 
 
-def _record_bytes(scheme: Scheme) -> int:
-    """Bytes of one tile's record at the latent and RoPE widths of this process's MLA layers."""
-    if ACTIVE.latent is None:
-        raise RuntimeError("kvarn: no kvarn MLA layer was built in this process")
-    latent, rope = ACTIVE.latent
-    return latent_tile_bytes(scheme, latent, rope)
+def _record_bytes(ctx: EngineContext) -> int:
+    """Bytes of one tile's record at the latent and RoPE widths of the engine's MLA layers."""
+    if ctx.latent is None:
+        raise RuntimeError(f"kvarn {ctx.name}: the model has no MLA layers")
+    latent, rope = ctx.latent
+    return latent_tile_bytes(ctx.scheme, latent, rope)
 
 
 class KvarnMLABackend(CPUMLABackend):
@@ -165,43 +164,46 @@ class KvarnMLABackend(CPUMLABackend):
         """One state per block: the record of one tile (:func:`kvarn.codec.latent.latent_tile_bytes`)."""
         if spec.state_content_bytes is not None:
             return spec
-        scheme = scheme_of(
-            str(getattr(spec, "cache_dtype_str", None) or get_current_vllm_config().cache_config.cache_dtype)
-        )
-        return packed_spec(spec, scheme, _record_bytes(scheme))
+        ctx = current_context()
+        return packed_spec(spec, ctx.scheme, _record_bytes(ctx))
 
 
 class KvarnMLAImpl(CPUMLAImpl):
-    """vLLM's CPU MLA, with the latent cache stored as kvarn tiles; owns the layer's pools."""
+    """vLLM's CPU MLA, with the latent cache stored as kvarn tiles; owns the layer's pools
+    (allocated by :meth:`process_weights_after_loading`)."""
 
     kvarn_pools = True  # see kvarn.vllm.live
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.scheme = scheme_of(self.kv_cache_dtype)
-        config = get_current_vllm_config()
-        dtype = config.model_config.dtype
-        assert isinstance(dtype, torch.dtype)
-        ACTIVE.latent = (self.kv_lora_rank, self.qk_rope_head_dim)
+        self.ctx: EngineContext = context_of(get_current_vllm_config())
+        self.scheme = self.ctx.scheme
         self.width = self.kv_lora_rank + self.qk_rope_head_dim
-        self.rope_type = rope_dtype(dtype)
-        self.nbytes = _record_bytes(self.scheme)
-        # the pools, allocated now: before vLLM measures memory for the KV cache
-        slots = DTYPES.staging_slots(config.scheduler_config.max_num_seqs)
-        device = torch.device(str(config.device_config.device))
-        t = self.scheme.group_size
-        self.stage = torch.zeros(slots, t, self.width, dtype=dtype, device=device)
-        cap = sink_capacity(self.scheme)
-        self.sink = torch.zeros(slots, cap, self.width, dtype=dtype, device=device) if cap else None
-        reserve(config, slots * (t + cap) * self.width * dtype.itemsize)
+        self.rope_type = rope_dtype(self.ctx.dtype)
+        self.nbytes = _record_bytes(self.ctx)
+        self.stage = torch.empty(0)  # [slots, T, L + R] model dtype, allocated with the weights
+        self.sink: torch.Tensor | None = None  # [slots, capacity, L + R] for schemes with a sink
+        self.allocated = False
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """vLLM's (weight absorption), then the layer's pools (once), allocated before vLLM measures
+        memory for the KV cache and counted against it."""
+        super().process_weights_after_loading(act_dtype)
+        if self.allocated:
+            return
+        ctx, t, cap = self.ctx, self.ctx.group_size, self.ctx.sink_capacity
+        self.stage = torch.zeros(ctx.slots, t, self.width, dtype=ctx.dtype, device=ctx.device)
+        if cap:
+            self.sink = torch.zeros(ctx.slots, cap, self.width, dtype=ctx.dtype, device=ctx.device)
+        ctx.reserve(ctx.slots * (t + cap) * self.width * ctx.dtype.itemsize)
+        self.allocated = True
 
     # ---- store ---------------------------------------------------------------------------------
     @staticmethod
     def _write(pool: torch.Tensor | None, rows: torch.Tensor, w: Writes | None) -> None:
-        if pool is None or w is None:
-            return
-        src, slot, row = w
-        pool[slot, row] = rows.index_select(0, src).to(pool.dtype)
+        """:func:`kvarn.vllm.forward.write_rows` of rows ``[N, L + R]`` into a pool ``[S, R, L + R]``."""
+        if pool is not None:
+            write_rows(pool.unsqueeze(1), rows.unsqueeze(1), w)
 
     def store(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, step: MLAStep) -> None:
         """Commit the step's rows: staging and sink writes, then tiles that became full into their pages."""

@@ -8,44 +8,18 @@ KV-cache group (vLLM's ``UniformTypeKVCacheSpecs``: a block's bytes are the sum 
 pages), so the number of blocks vLLM derives gives exactly the preset's byte ratio, less the pools.
 A layer the preset keeps unquantized (an fp16 override) has no kvarn page: vLLM's own cache serves it
 (:func:`kvarn.vllm.admission.keep_16bit_layers`).
-
-:data:`ACTIVE` records the model whose kvarn layers this process built, for the vLLM calls that
-ask for a page without naming a layer (``customize_spec``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
-from vllm.config import VllmConfig
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from kvarn.schemes import Scheme
 from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
-from kvarn.vllm.registry import scheme_of
-
-
-@dataclass
-class ActiveModel:
-    """The kvarn layers built in this process: their scheme and layer count, and for an MLA model the
-    latent and RoPE widths of its rows. Recorded by the attention impls when vLLM builds the model."""
-
-    scheme: Scheme | None = None
-    num_layers: int = 1
-    latent: tuple[int, int] | None = None  # MLA: (kv_lora_rank, qk_rope_head_dim)
-
-    def record(self, scheme: Scheme, num_layers: int) -> None:
-        self.scheme, self.num_layers = scheme, num_layers
-
-    def require(self) -> tuple[Scheme, int]:
-        """``(scheme, num_layers)``; raises ``RuntimeError`` before any kvarn layer was built."""
-        if self.scheme is None:
-            raise RuntimeError("kvarn: no kvarn attention layer was built in this process")
-        return self.scheme, self.num_layers
-
-
-ACTIVE = ActiveModel()
+from kvarn.vllm.context import EngineContext
 
 
 def layer_page_bytes(scheme: Scheme, head_dim: int, layer: int) -> int:
@@ -84,7 +58,7 @@ def packed_spec(spec: AttentionSpec, scheme: Scheme, content_bytes: int) -> Atte
     return replace(spec, dtype=torch.uint8, state_content_bytes=content_bytes, tokens_per_state=scheme.group_size)
 
 
-def hybrid_token_bytes(vllm_config: VllmConfig) -> int:
+def hybrid_token_bytes(ctx: EngineContext) -> int:
     """Bytes per token of the widest kvarn page in a hybrid (Mamba / linear-attention) model, rounded up.
 
     vLLM sizes a hybrid model's attention blocks so that one attention page holds at least one Mamba
@@ -95,9 +69,5 @@ def hybrid_token_bytes(vllm_config: VllmConfig) -> int:
     not divide, or that differ between layers, since vLLM cannot split padded blocks into one-tile
     kernel blocks.
     """
-    model = vllm_config.model_config
-    assert model is not None
-    scheme = scheme_of(str(vllm_config.cache_config.cache_dtype))
-    heads = model.get_num_kv_heads(vllm_config.parallel_config)
-    page = heads * page_bytes(scheme, model.get_head_size(), model.get_num_layers(vllm_config.parallel_config))
-    return -(-page // scheme.group_size)
+    page = ctx.num_kv_heads * page_bytes(ctx.scheme, ctx.head_dim, ctx.num_layers)
+    return -(-page // ctx.group_size)

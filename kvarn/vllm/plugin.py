@@ -7,7 +7,8 @@ more than once, so it is idempotent). It
    ``KVARN_PRESET_PATH`` and the user preset folder; plus the names the front end resolved that no
    preset file lists, such as ``kvarn_k4v2_g128_sink1``, passed to the processes it spawns in
    ``KVARN_RESOLVED_DTYPES``) as a KV-cache dtype, each resolved once into its Scheme
-   (:data:`kvarn.vllm.registry.DTYPES`), through vLLM 0.33's ``register_kv_cache_dtype``
+   (:data:`kvarn.vllm.registry.DTYPES`; the settings read from the environment go to
+   :data:`kvarn.vllm.registry.SETTINGS`), through vLLM 0.33's ``register_kv_cache_dtype``
    (:mod:`kvarn.vllm.compat`) or, on 0.32, :func:`kvarn.vllm.patches.extend_cache_dtype_literal`;
 2. adds ``KVARN`` and ``KVARN_MLA`` to vLLM's attention-backend registry;
 3. installs every patch of vLLM internals (:func:`kvarn.vllm.patches.install`): attention is routed
@@ -31,7 +32,7 @@ import os
 
 from kvarn.schemes import BUILTINS, Scheme, UnknownSchemeError, get_preset, list_presets
 from kvarn.vllm import compat, patches
-from kvarn.vllm.registry import DTYPES, is_kvarn_dtype, vllm_dtypes
+from kvarn.vllm.registry import DTYPES, SETTINGS, is_kvarn_dtype, vllm_dtypes
 
 logger = logging.getLogger("kvarn.vllm")
 
@@ -60,7 +61,7 @@ def register_dtypes(names: list[str]) -> None:
     Raises:
         UnknownSchemeError, PresetError: a name resolves to no scheme.
     """
-    _add({n: DTYPES.scheme(n) for n in names})
+    _add({n: DTYPES.schemes.get(n) or get_preset(n).scheme for n in names})
 
 
 def _add(schemes: dict[str, Scheme]) -> None:
@@ -132,8 +133,8 @@ def _register_backends() -> None:
 def register() -> None:
     """Entry point (``vllm.general_plugins``): kvarn dtypes, attention backends and patches."""
     schemes = _startup_schemes()
-    DTYPES.staging_env = os.environ.get(STAGING_SLOTS_ENV, "")
-    DTYPES.ops_env = os.environ.get(OPS_ENV, "")
+    SETTINGS.staging_slots = os.environ.get(STAGING_SLOTS_ENV, "")
+    SETTINGS.ops = os.environ.get(OPS_ENV, "")
     _add(schemes)
     _register_backends()
     patches.install(resolve_dtype, backend=BACKEND_PATH, mla_backend=MLA_BACKEND_PATH)

@@ -1,19 +1,24 @@
-"""Sizes of the staging and sink pools, and their accounting against the KV cache memory.
+"""Sizes of the staging and sink pools, and where they are allocated.
 
-Each layer's pools (the attention impls of :mod:`kvarn.vllm.backend` and :mod:`kvarn.vllm.mla`
-allocate them when the model is built) hold ``max_num_seqs`` slots of ``group_size`` staged tokens (:mod:`kvarn.vllm.staging`) and,
-for schemes with a sink, of ``sink_capacity`` exact first tokens (:mod:`kvarn.vllm.sinks`), keys and
-values in the model dtype.
+Each layer's pools hold ``slots`` slots (``max(max_num_seqs, KVARN_STAGING_SLOTS)``) of
+``group_size`` staged tokens (:mod:`kvarn.vllm.staging`; only where partial tiles do not wait in
+the requests' tail blocks) and, for schemes with a sink, of ``sink_capacity`` exact first tokens
+(:mod:`kvarn.vllm.sinks`), keys and values in the model dtype. The attention impls of
+:mod:`kvarn.vllm.backend` and :mod:`kvarn.vllm.mla` allocate them once their layer's weights are
+loaded (``process_weights_after_loading``), before vLLM measures memory for the KV cache, and count
+them against it (:meth:`kvarn.vllm.context.EngineContext.reserve`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from vllm.config import VllmConfig
 
 from kvarn.schemes import Scheme
+
+Pool = tuple[torch.Tensor, torch.Tensor]  # keys, values: [num_slots, H, rows, D] model dtype
 
 
 def sink_capacity(scheme: Scheme) -> int:
@@ -30,30 +35,15 @@ def pool_bytes(
     return 2 * num_slots * num_kv_heads * rows * head_dim * dtype.itemsize
 
 
+def zeros_pool(slots: int, num_kv_heads: int, rows: int, head_dim: int, dtype: torch.dtype, device: Any) -> Pool:
+    """Keys and values ``[slots, num_kv_heads, rows, head_dim]`` of ``dtype`` on ``device``, zeroed."""
+    shape = (slots, num_kv_heads, rows, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
 @dataclass
 class PoolTotals:
-    """Bytes and layers of the pools this process allocated (for the start-up log)."""
+    """Bytes and layers of the pools one engine's layers allocated (for the start-up log)."""
 
     bytes: int = 0
     layers: int = 0
-
-
-POOLS = PoolTotals()
-
-
-def reserve(config: VllmConfig, nbytes: int) -> None:
-    """Count ``nbytes`` of pools against the KV cache memory: an explicit ``kv_cache_memory_bytes``
-    shrinks by it (vLLM's profiling counts the allocated pools by itself otherwise)."""
-    POOLS.bytes += nbytes
-    POOLS.layers += 1
-    cache = config.cache_config
-    if cache.kv_cache_memory_bytes is None:
-        return
-    left = int(cache.kv_cache_memory_bytes) - nbytes
-    if left <= 0:
-        raise ValueError(
-            f"kv_cache_dtype={cache.cache_dtype!r}: the staging/sink pools for max_num_seqs="
-            f"{config.scheduler_config.max_num_seqs} need {POOLS.bytes / 2**20:.1f} MiB so far, more than "
-            f"the KV cache memory left ({(left + nbytes) / 2**20:.1f} MiB); lower max_num_seqs or give more KV memory"
-        )
-    cache.kv_cache_memory_bytes = left

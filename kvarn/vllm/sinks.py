@@ -26,7 +26,7 @@ such reads; the backend logs a warning the first time).
 
 Bound and reclaim: ``max_num_seqs`` slots, allocated at start-up. A new sequence takes a free slot,
 else the least recently used slot whose key is no live request's first block
-(:data:`kvarn.vllm.staging.LIVE_BLOCKS` ``.first``), else the least recently used slot no request
+(the engine's :class:`~kvarn.vllm.staging.LiveBlocks` ``.first``), else the least recently used slot no request
 of this step touches (that request falls back to the quantized tile 0). A request never waits.
 """
 
@@ -34,16 +34,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvarn.vllm.staging import LIVE_BLOCKS, RequestPlan
+from kvarn.vllm.staging import LiveBlocks, RequestPlan
 
 
 @dataclass
 class SinkPool:
-    """Assigns sink slots to sequences, keyed by their first block id. One per KV-cache group."""
+    """Assigns sink slots to sequences, keyed by their first block id. One per engine (its shared planner).
+
+    ``live``: the blocks the engine's live requests hold (dead sequences' slots are reclaimed first).
+    """
 
     num_slots: int
     capacity: int  # exact rows per slot: sink_tokens, or group_size for a sink tile
     block_size: int
+    live: LiveBlocks = field(default_factory=LiveBlocks)
     slot_of_block: dict[int, int] = field(default_factory=dict)
     fill: dict[int, int] = field(default_factory=dict)  # slot -> exact tokens it holds (<= capacity)
     last_step: dict[int, int] = field(default_factory=dict)  # slot -> step it was last read or written
@@ -61,7 +65,7 @@ class SinkPool:
         """A free slot, else the LRU idle slot (dead first); -1 when every slot is busy this step."""
         if self._free:
             return self._free.pop()
-        live = LIVE_BLOCKS.first
+        live = self.live.first
         idle = [b for b in self.slot_of_block if b not in busy]
         dead = [b for b in idle if live is not None and b not in live]
         if not idle:

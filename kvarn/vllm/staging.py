@@ -11,7 +11,7 @@ Bound: a request owns at most one partially filled block, so the pool has ``max_
 allocated at start-up by the attention impls. A new block takes a free
 slot, else the least recently used slot that no request of this step touches and that holds a
 *full* tile or a *dead* block (the model runner publishes, every step, the block each live request
-is filling: :data:`LIVE_BLOCKS`, see :mod:`kvarn.vllm.live`). In a step planned with
+is filling into the engine's :class:`LiveBlocks`, see :mod:`kvarn.vllm.live`). In a step planned with
 ``reuse_now=True`` (the backend writes new blocks' tokens only after attention there) a full tile
 read by this very step may be taken too. Only if none is left is a live request's idle block
 reclaimed; if that request later needs it, :class:`StagingLostError` is raised: never stale tokens,
@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class LiveBlocks:
-    """The blocks live requests hold, refreshed every step by :func:`kvarn.vllm.live.publish`.
+    """The blocks live requests hold in one engine, refreshed every step from
+    :func:`kvarn.vllm.live.live_blocks` (one per :class:`~kvarn.vllm.context.EngineContext`).
 
     ``blocks``: the block each live request is filling; ``first``: each live request's first block
     (the keys of :class:`kvarn.vllm.sinks.SinkPool`). None until published: every block then counts
@@ -37,9 +38,6 @@ class LiveBlocks:
 
     blocks: set[int] | None = None
     first: set[int] | None = None
-
-
-LIVE_BLOCKS = LiveBlocks()
 
 
 class StagingLostError(RuntimeError):
@@ -73,10 +71,14 @@ class RequestPlan:
 
 @dataclass
 class StagingPool:
-    """Assigns staging slots to partially filled blocks. One per KV-cache group and process."""
+    """Assigns staging slots to partially filled blocks. One per engine (its shared planner).
+
+    ``live``: the blocks the engine's live requests hold (dead blocks' slots are reclaimed first).
+    """
 
     num_slots: int
     block_size: int
+    live: LiveBlocks = field(default_factory=LiveBlocks)
     slot_of_block: dict[int, int] = field(default_factory=dict)
     fill: dict[int, int] = field(default_factory=dict)  # slot -> staged tokens (block_size: a full tile)
     last_step: dict[int, int] = field(default_factory=dict)  # slot -> step it was last used
@@ -92,7 +94,7 @@ class StagingPool:
         """A slot for a new block: ``(slot, victim)``, ``victim`` the live block it held, or None."""
         if self._free:
             return self._free.pop(), None
-        live = LIVE_BLOCKS.blocks
+        live = self.live.blocks
         full = self.block_size
 
         def spare(b: int) -> bool:  # a full tile or a block no live request fills

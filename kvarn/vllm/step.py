@@ -76,6 +76,9 @@ def build_step(
     sink_tile: bool,
     has_sink: bool,
     decode: bool,
+    tail: TailMoves | None = None,
+    layout: TailLayout | None = None,
+    scratch: Scratch | None = None,
 ) -> StepTensors:
     """Turn a step's plans into :class:`StepTensors` on ``block_table``'s device.
 
@@ -86,6 +89,8 @@ def build_step(
         sink_tile: the scheme keeps the first tile 16-bit (rows read the sink, then tiles 1..).
         has_sink: the scheme keeps exact first tokens (sink tile or sink tokens).
         decode: every request has exactly one new token.
+        tail, layout, scratch: with paged tails, the step's row traffic, the layout and the scratch
+            tiles its slots index (:mod:`kvarn.vllm.tail`); None with a staging pool.
     """
     t, dev = group_size, block_table.device
     cu, req, off, tiles, t_slot, t_len, s_slot, s_len = ([0], [], [], [], [], [], [], [])
@@ -173,4 +178,7 @@ def build_step(
         full_slots=torch.tensor(f_slots, dtype=torch.long).to(dev) if f_slots else None,
         full_tokens=torch.tensor(f_tokens, dtype=torch.long).to(dev) if f_tokens else None,
         full_blocks=torch.tensor(blocks, dtype=torch.long).to(dev) if blocks else None,
+        tail=tail,
+        layout=layout,
+        scratch=scratch,
     )

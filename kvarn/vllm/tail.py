@@ -91,22 +91,6 @@ def tail_layout(
     return TailLayout(scheme.group_size, rows, math.ceil(scheme.group_size / rows), head_dim, dtype)
 
 
-def layout_for(vllm_config: Any) -> TailLayout | None:
-    """The tail layout of an engine configuration, or None where the tail stays in a staging pool
-    (MLA models and hybrid Mamba / linear-attention models, whose blocks hold several tiles)."""
-    from kvarn.vllm.registry import is_kvarn_dtype, scheme_of
-
-    cache, model = vllm_config.cache_config, vllm_config.model_config
-    if model is None or not is_kvarn_dtype(cache.cache_dtype) or model.use_mla or getattr(model, "is_hybrid", False):
-        return None
-    spec = vllm_config.speculative_config
-    rollback = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
-    dtype = model.dtype
-    assert isinstance(dtype, torch.dtype)
-    layers = model.get_num_layers(vllm_config.parallel_config)
-    return tail_layout(scheme_of(str(cache.cache_dtype)), model.get_head_size(), layers, dtype, rollback)
-
-
 @dataclass(frozen=True, kw_only=True)
 class TailSpec(FullAttentionSpec):
     """A full-attention spec whose requests hold ``tail_blocks`` blocks beyond their tokens' tiles.

@@ -1,4 +1,4 @@
-"""Fixtures: small random-weight models (see :mod:`tests.models.builders`), one torch thread.
+"""Fixtures: small random-weight models (see :mod:`kvarn.testing.builders`), one torch thread.
 
 One thread: the CI machines have 2 shared cores, and the codec's small ops with two threads spend
 most of their time waiting for each other (see tests/hf/conftest.py for the measurement).
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from kvarn.testing.builders import build, gemma3_config, granite_hybrid_config, llama_config, save, save_deepseek_v2
 from tests.fixtures import _one_thread  # noqa: F401  (autouse)
-from tests.models.builders import build, gemma3_config, granite_hybrid_config, llama_config, save, save_deepseek_v2
 
 WINDOW = 48  # the Gemma-like model's sliding window: shorter than the test contexts, not a tile multiple
 

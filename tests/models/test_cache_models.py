@@ -18,7 +18,7 @@ from kvarn.codec import dequantize_tiles
 from kvarn.hf import KVarNCache
 from kvarn.kernels.cpu import quantize_tiles_cpu
 from kvarn.schemes import Scheme
-from tests.models.builders import other_sliding_models
+from kvarn.testing.builders import other_sliding_models
 from tests.models.conftest import WINDOW
 
 SCHEME = "kvarn_k4v2_g32_sink0"  # reads compared with the codec alone: no exact first token (tests/hf covers it)

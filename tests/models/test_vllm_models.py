@@ -74,7 +74,7 @@ def test_mla_accepted_with_tile_blocks_and_no_chunked_prefill(tmp_path: Path) ->
     """A DeepSeek-V2 latent (512 + RoPE 64) passes the front end: vLLM's CPU platform sets MLA's
     16-token blocks, kvarn one tile per block; chunked prefill and prefix caching off (its MLA
     prefill attends the step's own tokens only). Per-layer overrides are refused on MLA."""
-    from tests.models.builders import deepseek_v2_config
+    from kvarn.testing.builders import deepseek_v2_config
 
     config = deepseek_v2_config()
     vllm_config = _config(tmp_path, config)
@@ -90,7 +90,7 @@ def test_hybrid_accepted(tmp_path: Path) -> None:
     kvarn serves their attention layers; vLLM sizes the blocks later (a multiple of the tile)."""
     from transformers import Qwen3NextConfig
 
-    from tests.models.builders import granite_hybrid_config
+    from kvarn.testing.builders import granite_hybrid_config
 
     config = _tiny(
         Qwen3NextConfig,
@@ -140,7 +140,7 @@ def test_attention_soft_cap_refused(tmp_path: Path) -> None:
 
 def test_sliding_and_full_layers_keep_sliding_16bit(tmp_path: Path) -> None:
     """Gemma-3-like: accepted; the sliding layers go to vLLM's own cache (``kv_cache_dtype_skip_layers``)."""
-    from tests.models.builders import gemma3_config
+    from kvarn.testing.builders import gemma3_config
 
     config = _config(tmp_path, gemma3_config(hidden=64, layers=6, window=48))
     assert config.cache_config.kv_cache_dtype_skip_layers == ["sliding_window"]
@@ -150,7 +150,7 @@ def test_sliding_and_full_layers_keep_sliding_16bit(tmp_path: Path) -> None:
 def test_fp16_override_layers_go_to_vllms_cache(tmp_path: Path) -> None:
     """A preset with layers 0 and 3 unquantized on a 4-layer Llama: their indices join
     ``kv_cache_dtype_skip_layers`` (vLLM then builds them with ``kv_cache_dtype="auto"``)."""
-    from tests.models.builders import llama_config
+    from kvarn.testing.builders import llama_config
 
     config = _config(tmp_path, llama_config(layers=4), "kvarn_k4v2_g128_L0fp16_L3fp16")
     assert config.cache_config.kv_cache_dtype_skip_layers == ["0", "3"]
@@ -158,7 +158,7 @@ def test_fp16_override_layers_go_to_vllms_cache(tmp_path: Path) -> None:
 
 
 def test_every_layer_fp16_refused(tmp_path: Path) -> None:
-    from tests.models.builders import llama_config
+    from kvarn.testing.builders import llama_config
 
     with pytest.raises(ValueError) as err:
         _config(tmp_path, llama_config(layers=4), "kvarn_k4v2_g128_L0-3fp16")
@@ -168,7 +168,7 @@ def test_every_layer_fp16_refused(tmp_path: Path) -> None:
 def test_fp16_full_layers_beside_sliding_layers_refused(tmp_path: Path) -> None:
     """Gemma-3-like, 12 layers (5 and 11 full): an fp16 override on layer 5 is refused; one on a
     sliding layer changes nothing (sliding layers are 16-bit anyway) and is accepted."""
-    from tests.models.builders import gemma3_config
+    from kvarn.testing.builders import gemma3_config
 
     with pytest.raises(ValueError) as err:
         _config(tmp_path / "a", gemma3_config(hidden=64, layers=12, window=48), "kvarn_k4v2_g128_L5fp16")

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvarn.hf import cache_geometry
-from tests.models.builders import save, windowed_copy
+from kvarn.testing.builders import save, windowed_copy
 
 
 def test_windowed_copy_keeps_the_weights_and_windows_its_layers(llama: Any, tmp_path: Path) -> None:

@@ -14,7 +14,6 @@ import torch
 pytest.importorskip("vllm")
 
 from kvarn.schemes import Scheme  # noqa: E402
-from kvarn.vllm import staging  # noqa: E402
 from kvarn.vllm.forward import run_layer  # noqa: E402
 from kvarn.vllm.sinks import SinkPool  # noqa: E402
 from kvarn.vllm.staging import StagingLostError, StagingPool  # noqa: E402
@@ -41,7 +40,7 @@ def test_planner_chunked_prefill_then_decode() -> None:
     assert (q.staged(T), q.read_slot, q.new_slot, pool.fill[q.read_slot]) == (6, p.new_slot, -1, 7)
 
 
-def test_planner_keeps_a_full_tile_for_a_rollback_and_reuses_it_later(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_planner_keeps_a_full_tile_for_a_rollback_and_reuses_it_later() -> None:
     """Speculative decoding: a step completes tile 0 with draft tokens, the drafts are rejected and
     the next step starts inside tile 0 again: its staged tokens are still in the slot."""
     pool = StagingPool(num_slots=2, block_size=T)
@@ -49,23 +48,21 @@ def test_planner_keeps_a_full_tile_for_a_rollback_and_reuses_it_later(monkeypatc
     (p,) = pool.plan([0, 4], [34], [[5, 6]])  # 1 token + 3 drafts: tile 0 completes, 2 tokens in block 6
     (r,) = pool.plan([0, 4], [35], [[5, 6]])  # 2 drafts rejected: back at position 31
     assert (r.staged(T), r.read_slot) == (31, p.read_slot)
-    monkeypatch.setattr(staging.LIVE_BLOCKS, "blocks", {6, 9})  # the request fills block 6 now
+    pool.live.blocks = {6, 9}  # the request fills block 6 now
     (n,) = pool.plan([0, 5], [5], [[9]])  # no free slot: the full tile's (block 5) is spare
     assert n.new_slot == p.read_slot and set(pool.slot_of_block) == {6, 9} and not pool.lost
 
 
-def test_planner_reclaims_dead_blocks_before_live_ones_and_never_reads_lost_ones(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_planner_reclaims_dead_blocks_before_live_ones_and_never_reads_lost_ones() -> None:
     pool = StagingPool(num_slots=2, block_size=T)
-    monkeypatch.setattr(staging.LIVE_BLOCKS, "blocks", {3, 4})
+    pool.live.blocks = {3, 4}
     pool.plan([0, 5], [5], [[3]])  # A stages 5 tokens in block 3
     pool.plan([0, 5], [5], [[4]])  # B in block 4
     pool.plan([0, 1], [6], [[4]])  # B used more recently
-    monkeypatch.setattr(staging.LIVE_BLOCKS, "blocks", {3, 8})  # B finished
+    pool.live.blocks = {3, 8}  # B finished
     (c,) = pool.plan([0, 5], [5], [[8]])  # C takes B's slot (dead), not A's (older but live)
     assert set(pool.slot_of_block) == {3, 8} and not pool.lost
-    monkeypatch.setattr(staging.LIVE_BLOCKS, "blocks", {3, 8, 9})  # every staged block live
+    pool.live.blocks = {3, 8, 9}  # every staged block live
     pool.plan([0, 5], [5], [[9]])  # D: only live slots left: A's (least recently used) is reclaimed
     assert 3 in pool.lost
     with pytest.raises(StagingLostError, match="reclaimed"):
@@ -237,8 +234,9 @@ def test_page_bytes_and_pool_bytes() -> None:
 
 
 def test_impl_and_builder_in_a_vllm_config(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The attention impl allocates its sink pool when built (``max_num_seqs`` slots) and takes it from
-    an explicit KV memory, and no staging pool (partial tiles live in the requests' tail blocks); the
+    """The attention impl allocates its sink pool once its weights are loaded (``max_num_seqs`` slots),
+    not when built, and takes it from an explicit KV memory, and no staging pool (partial tiles live
+    in the requests' tail blocks); the
     builder's step tensors drive its forward with no host work; a decode token after a 200-token
     prompt reads the prompt's last 72 tokens back from the tail pages and gets the reference codec's
     tile-causal attention."""
@@ -251,10 +249,10 @@ def test_impl_and_builder_in_a_vllm_config(tmp_path: Any, monkeypatch: pytest.Mo
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     from kvarn.codec import dequantize_tiles, quantize_tiles
+    from kvarn.testing.synthetic import write_config_only
     from kvarn.vllm import plugin
     from kvarn.vllm.backend import KvarnAttentionImpl, KvarnMetadataBuilder
     from kvarn.vllm.pools import pool_bytes
-    from tests.vllm.synthetic import write_config_only
 
     plugin.register()
     scheme = Scheme(4, 2, 128, sink_tokens=1)
@@ -264,6 +262,9 @@ def test_impl_and_builder_in_a_vllm_config(tmp_path: Any, monkeypatch: pytest.Mo
     h, hq, d = 2, 4, 64
     with set_current_vllm_config(config):
         impl = KvarnAttentionImpl(hq, d, 0.125, h, None, None, scheme.name)
+    assert impl.stage is None and impl.sink is None  # the constructor allocates nothing
+    assert config.cache_config.kv_cache_memory_bytes == 2**24
+    impl.process_weights_after_loading(config.model_config.dtype)  # as vLLM calls it once weights are loaded
     assert impl.stage is None and impl.sink is not None and impl.sink[0].shape == (3, h, 1, d)
     dtype = config.model_config.dtype  # bfloat16 on CPU
     assert impl.sink[0].dtype == dtype

@@ -232,7 +232,7 @@ def _engine_args_error(tmp_path: Path, kv_cache_dtype: str, block_size: int | No
     from vllm.engine.arg_utils import EngineArgs
 
     from kvarn.models import resolve_model
-    from tests.vllm.synthetic import write_config_only
+    from kvarn.testing.synthetic import write_config_only
 
     model = str(write_config_only(tmp_path / "m", **config)) if config else str(resolve_model("smollm2-135m"))
     with pytest.raises((ValueError, KeyError)) as err:

@@ -185,8 +185,8 @@ def test_builders_of_one_model_share_one_planner(tmp_path: Any) -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
+    from kvarn.testing.synthetic import write_config_only
     from kvarn.vllm.backend import KvarnMetadataBuilder
-    from tests.vllm.synthetic import write_config_only
 
     name = _mixed().name
     model = str(write_config_only(tmp_path / "m", num_hidden_layers=30))

@@ -76,7 +76,7 @@ def test_serve_parser_accepts_every_name_llm_accepts(name: str, presets: Path, t
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from kvarn.schemes import get_preset
-    from tests.vllm.synthetic import write_config_only
+    from kvarn.testing.synthetic import write_config_only
 
     model = str(write_config_only(tmp_path / "m"))
     args = _serve([model, "--kv-cache-dtype", name])

@@ -15,9 +15,8 @@ import torch
 pytest.importorskip("vllm")
 
 from kvarn.schemes import Scheme  # noqa: E402
-from kvarn.vllm import staging  # noqa: E402
 from kvarn.vllm.sinks import SinkPool  # noqa: E402
-from kvarn.vllm.staging import RequestPlan, StagingPool  # noqa: E402
+from kvarn.vllm.staging import LiveBlocks, RequestPlan, StagingPool  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 T = 32  # a small tile keeps these tests fast
@@ -27,8 +26,9 @@ class Planner:
     """The metadata builder's planning: staging, then sink slots, for one step."""
 
     def __init__(self, slots: int, capacity: int) -> None:
-        self.staging = StagingPool(slots, T)
-        self.sinks = SinkPool(slots, capacity, T)
+        self.live = LiveBlocks()  # the blocks live requests hold, as the engine publishes them
+        self.staging = StagingPool(slots, T, self.live)
+        self.sinks = SinkPool(slots, capacity, T, self.live)
 
     def plan(self, qsl: list[int], lens: list[int], rows: list[list[int]]) -> list[RequestPlan]:
         plans = self.staging.plan(qsl, lens, rows)
@@ -66,25 +66,25 @@ def test_sink_tile_slot_holds_the_whole_first_tile() -> None:
     assert _sink(p) == (p.sink_slot, 12, T)
 
 
-def test_sink_slots_reclaimed_from_dead_requests_first(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sink_slots_reclaimed_from_dead_requests_first() -> None:
     pl = Planner(2, capacity=1)
-    monkeypatch.setattr(staging.LIVE_BLOCKS, "first", {3, 7})
+    pl.live.first = {3, 7}
     (a,) = pl.plan([0, 40], [40], [[3, 4]])
     (b,) = pl.plan([0, 40], [40], [[7, 8]])
     pl.plan([0, 1], [41], [[7, 8]])  # B used more recently than A
-    monkeypatch.setattr(staging.LIVE_BLOCKS, "first", {3, 11})  # B finished
+    pl.live.first = {3, 11}  # B finished
     (c,) = pl.plan([0, 5], [5], [[11]])  # no free slot: B's (dead) is taken, not A's (live, older)
     assert c.sink_slot == b.sink_slot and set(pl.sinks.slot_of_block) == {3, 11}
     # E gets block 11 as its first block after C ended (no cache hit: it computes token 0): same slot
-    monkeypatch.setattr(staging.LIVE_BLOCKS, "first", {11})
+    pl.live.first = {11}
     (e,) = pl.plan([0, 3], [3], [[11]])
     assert _sink(e) == (c.sink_slot, 1, 0)
 
 
-def test_sink_slots_at_the_bound_never_block_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sink_slots_at_the_bound_never_block_a_request() -> None:
     pl = Planner(1, capacity=2)
-    pl.staging = StagingPool(2, T)  # staging is not under test: enough slots for two requests
-    monkeypatch.setattr(staging.LIVE_BLOCKS, "first", {3, 4})
+    pl.staging = StagingPool(2, T, pl.live)  # staging is not under test: enough slots for two requests
+    pl.live.first = {3, 4}
     a, b = pl.plan([0, 5, 10], [5, 5], [[3], [4]])  # two new requests in one step, one sink slot
     assert (a.sink_write, b.sink_slot, b.sink_write) == (2, -1, 0)  # B keeps no copies, but runs
     pl.plan([0, 40], [45], [[4, 6]])
@@ -94,10 +94,10 @@ def test_sink_slots_at_the_bound_never_block_a_request(monkeypatch: pytest.Monke
     assert p.dummy and _sink(p) == (-1, 0, 0)
 
 
-def test_prefix_cache_hit_reads_a_surviving_slot_else_tile0_quantized(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefix_cache_hit_reads_a_surviving_slot_else_tile0_quantized() -> None:
     pl = Planner(1, capacity=2)
     (a,) = pl.plan([0, 40], [40], [[5, 6]])  # A computes tokens 0..39 and ends
-    monkeypatch.setattr(staging.LIVE_BLOCKS, "first", set())
+    pl.live.first = set()
     # B: same first 32 tokens, block 5 is a prefix-cache hit: B starts at ctx = 32
     (b,) = pl.plan([0, 10], [42], [[5, 9]])
     assert _sink(b) == (a.sink_slot, 0, 2) and pl.sinks.missing == 0
@@ -118,9 +118,9 @@ def test_sink_presets_pass_start_up_checks(tmp_path: Path, monkeypatch: pytest.M
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 
+    from kvarn.testing.synthetic import write_config_only
     from kvarn.vllm import plugin
     from kvarn.vllm.pages import page_bytes
-    from tests.vllm.synthetic import write_config_only
 
     plain = Scheme(4, 2, 128, sink_tokens=0)
     for sink in (Scheme(4, 2, 128, sink_tokens=4), Scheme(4, 2, 128, sink_tile=True)):

@@ -153,8 +153,8 @@ def test_kv_connectors_are_refused_at_start_up(tmp_path: Any) -> None:
     """A connector would move full blocks without the tail rows beyond them: refused, saying why."""
     from vllm.engine.arg_utils import EngineArgs
 
+    from kvarn.testing.synthetic import write_config_only
     from kvarn.vllm.plugin import register
-    from tests.vllm.synthetic import write_config_only
 
     register()
     model = str(write_config_only(tmp_path / "m"))

@@ -58,7 +58,7 @@ def _net_tokens(num_kv_heads: int, layers: int = 2, head_dim: int = 64, slots: i
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, Greedy]:
     """The tiny model and what one rank generates from it (its KV tokens, its greedy tokens)."""
-    from tests.vllm.synthetic import make_tiny_llama
+    from kvarn.testing.synthetic import make_tiny_llama
 
     model = make_tiny_llama(tmp_path_factory.mktemp("tiny"), head_dim=64, num_layers=2, num_heads=4, num_kv_heads=2)
     with pytest.MonkeyPatch.context() as mp:

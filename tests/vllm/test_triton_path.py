@@ -33,7 +33,7 @@ def _generate(model: Path, ops: str, monkeypatch: pytest.MonkeyPatch) -> Greedy:
 
 
 def test_triton_ops_in_an_engine_match_the_cpu_ops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.vllm.synthetic import make_tiny_llama
+    from kvarn.testing.synthetic import make_tiny_llama
 
     model = make_tiny_llama(tmp_path / "tiny", head_dim=64, num_layers=2, num_heads=2, num_kv_heads=1)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")

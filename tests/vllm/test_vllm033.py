@@ -281,10 +281,16 @@ def check_backend(tmp: Path) -> Any:
                 assert p.name in mine or takes_kw, f"{sub.__name__}.{attr} lacks {p.name!r} of {base.__name__}"
     name = "kvarn_k4v2_g128"
     assert cls.supports_kv_cache_dtype(name) and not cls.supports_kv_cache_dtype("auto")
-    from kvarn.vllm.pages import ACTIVE
-    from kvarn.vllm.registry import scheme_of
+    from types import SimpleNamespace
 
-    ACTIVE.record(scheme_of(name), 30)  # as recorded when the model's attention layers are built
+    from kvarn.vllm import context
+
+    model = SimpleNamespace(dtype=torch.bfloat16, use_mla=False, is_hybrid=False, get_head_size=lambda: 64,
+                            get_num_layers=lambda p: 30, get_num_kv_heads=lambda p: 3)  # fmt: skip
+    config = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=name), model_config=model, parallel_config=None,
+                             scheduler_config=SimpleNamespace(max_num_seqs=4), speculative_config=None,
+                             device_config=SimpleNamespace(device="cpu"))  # fmt: skip
+    context.context_of(config)  # as built when the model's attention layers are
     spec = FullAttentionSpec(
         block_size=128, num_kv_heads=3, head_size=64, dtype=torch.uint8, kv_quant_mode=get_kv_quant_mode(name)
     )
@@ -353,6 +359,7 @@ def check_builder(tmp: Path) -> Any:
         model_config=model,
         parallel_config=None,
         speculative_config=None,
+        device_config=SimpleNamespace(device="cpu"),
     )
     spec = SimpleNamespace(block_size=128, num_kv_heads=3, head_size=64)
     builder = KvarnMetadataBuilder(spec, ["layers.0.attn"], config, torch.device("cpu"))  # type: ignore[arg-type]
@@ -473,17 +480,18 @@ def _granite_stand_in() -> Any:
 def check_hybrid_alignment(tmp: Path) -> Any:
     """Hybrid models (issue 13): vLLM's ``Platform._align_hybrid_block_size``, asked through kvarn's
     patch, makes attention blocks whole tiles holding a Mamba state page, and pads the Mamba page to
-    exactly the kvarn page of that block. GraniteMoeHybrid-like config (tests/models/builders.py)."""
+    exactly the kvarn page of that block. GraniteMoeHybrid-like config (kvarn/testing/builders.py)."""
     import vllm.engine.arg_utils
     import vllm.platforms
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.models import ModelRegistry
     from vllm.platforms.cpu import CpuPlatform
 
+    from kvarn.testing.builders import granite_hybrid_config
     from kvarn.vllm import patches, plugin
     from kvarn.vllm.backend import KvarnAttentionBackend
+    from kvarn.vllm.context import EngineContext
     from kvarn.vllm.pages import hybrid_token_bytes
-    from tests.models.builders import granite_hybrid_config
 
     for module in (vllm.platforms, vllm.engine.arg_utils):  # 0.33.0 here: the CPU platform stands in
         if module.current_platform.is_unspecified():
@@ -531,7 +539,7 @@ def check_hybrid_alignment(tmp: Path) -> Any:
         block_size=-1,
     ).page_size_bytes
     cache = config.cache_config
-    per_token = hybrid_token_bytes(config)
+    per_token = hybrid_token_bytes(EngineContext.from_config(config))
     return before, cache.block_size, cache.mamba_page_size_padded, per_token, mamba, str(cache.mamba_ssm_cache_dtype)
 
 

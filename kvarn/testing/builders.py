@@ -14,7 +14,7 @@ Nothing is downloaded: the configs are written here and the weights drawn from a
 
 A folder for ``kvarn eval --model FOLDER`` (model plus tokenizer)::
 
-    python -m tests.models.builders gemma3 OUT_FOLDER [--hidden 256 --layers 6 --window 512]
+    python -m kvarn.testing.builders gemma3 OUT_FOLDER [--hidden 256 --layers 6 --window 512]
 """
 
 from __future__ import annotations

@@ -1,0 +1,9 @@
+"""Small models and model folders that tests, tools and docs share; nothing is downloaded.
+
+* :mod:`kvarn.testing.builders`: random-weight models built from configs (Gemma-3-like, Llama-like,
+  hybrid, MLA) and a byte-level tokenizer; ``python -m kvarn.testing.builders`` writes one.
+* :mod:`kvarn.testing.synthetic`: model folders for vLLM engines (a tiny Llama of any head_dim, or a
+  ``config.json`` alone for front-end checks).
+
+The library never imports this package.
+"""
