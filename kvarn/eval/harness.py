@@ -25,12 +25,11 @@ from importlib import resources
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from kvarn.baselines import Baseline
 from kvarn.eval.bos import tokenize
 from kvarn.eval.metrics import MetricSums, leading_matches, nll
-from kvarn.eval.task import evaluate_each
+from kvarn.eval.task import evaluate_each, progress_bar
 from kvarn.hf import FP16, KVarNCache, model_geometry, resolve_spec
 from kvarn.hf.layers import KVarNLayer
 from kvarn.hf.spec import BaselineLike, Spec
@@ -262,7 +261,7 @@ class Evaluator:
         )
 
     def _bar(self, desc: str, total: int, progress: bool) -> Any:
-        return tqdm(total=total, desc=desc, unit="step", disable=not progress, leave=False)
+        return progress_bar(desc, total, progress)
 
     # ---- the reference -------------------------------------------------------------------------
     def _reference(self, progress: bool = True) -> _Reference:

@@ -11,17 +11,19 @@ import functools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from tqdm.auto import tqdm
 
 from kvarn.hf.spec import BaselineLike, Spec
 from kvarn.schemes import Scheme
 
-if TYPE_CHECKING:
-    from kvarn.eval.harness import Evaluator
-
 R = TypeVar("R")
+
+
+def progress_bar(desc: str, total: int, progress: bool) -> Any:
+    """The bar of one measurement: ``total`` steps named ``desc``, shown when ``progress``."""
+    return tqdm(total=total, desc=desc, unit="step", disable=not progress, leave=False)
 
 
 def evaluate_each(
@@ -51,9 +53,7 @@ def evaluate_each(
 class Task(ABC, Generic[R]):
     """A measurement of schemes on an :class:`~kvarn.eval.harness.Evaluator`'s model and text, one
     ``R`` per scheme: a subclass says which schemes it can measure, how many progress-bar steps one
-    takes, and measures one."""
-
-    ev: Evaluator
+    takes, and measures one. A subclass holds its evaluator as ``ev``."""
 
     @abstractmethod
     def _check(self, scheme: str | Scheme | BaselineLike) -> Spec:
@@ -77,7 +77,7 @@ class Task(ABC, Generic[R]):
         spec = self._check(scheme)
         name = scheme if isinstance(scheme, str) else scheme.name
         t0 = time.perf_counter()
-        with self.ev._bar(name, self._steps(spec), progress) as bar:
+        with progress_bar(name, self._steps(spec), progress) as bar:
             return self._measure(spec, name, bar, t0)
 
     def evaluate_all(
