@@ -46,11 +46,6 @@ def latent_tile_bytes(scheme: Scheme, latent_dim: int, rope_dim: int) -> int:
     return c * (t * LATENT_CHUNK * scheme.key_bits // 8) + p * c * (2 * LATENT_CHUNK + t) + 2 * t * rope_dim
 
 
-def latent_bits_per_element(scheme: Scheme, latent_dim: int, rope_dim: int) -> float:
-    """Stored bits per cached number of an MLA row (latent and RoPE), params included."""
-    return 8.0 * latent_tile_bytes(scheme, latent_dim, rope_dim) / (scheme.group_size * (latent_dim + rope_dim))
-
-
 def quantize_latent(latent: torch.Tensor, rope: torch.Tensor, scheme: Scheme, rope_type: torch.dtype) -> torch.Tensor:
     """``[N, T, L]`` latent and ``[N, T, R]`` RoPE tiles -> ``[N, latent_tile_bytes]`` uint8 records."""
     _check_tiles(latent, scheme, "MLA latent")

@@ -17,7 +17,6 @@ FP16_MAX = 65504.0
 LOG8_STEPS = 8  # codes per octave
 LOG8_BIAS = 160  # byte 160 is 1.0; bytes 1..255 span 2**-19.9 .. 2**11.9
 _LOG8_MIN_EXP = (1 - LOG8_BIAS) / LOG8_STEPS
-_LOG8_MAX_EXP = (255 - LOG8_BIAS) / LOG8_STEPS
 
 
 def _log8_code(x: torch.Tensor, round_up: bool) -> torch.Tensor:
