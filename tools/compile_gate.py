@@ -6,9 +6,9 @@ Usage::
     python tools/compile_gate.py --full --jobs 2      # every preset x head_dim x group x dtype x arch
     python tools/compile_gate.py --arch 90 --json gate.json
 
-Prints a table (kernel, variant, registers, spills, shared memory, programs per SM) and exits 1
-when any variant fails to compile, spills registers or needs more shared memory than one block may
-have. The library is ``tools/kernel_gate``. Compiled kernels are cached by Triton
+Prints a table (kernel, variant, registers, spills, stack frame, shared memory, programs per SM) and
+exits 1 when any variant fails to compile, spills registers, has a stack frame (local memory) or
+needs more shared memory than one block may have. The library is ``tools/kernel_gate``. Compiled kernels are cached by Triton
 (``~/.triton/cache``), ptxas results beside them, so a second run takes seconds.
 """
 
@@ -28,11 +28,13 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 def table(rows: list[Any]) -> str:
     """Markdown table of gate rows."""
-    head = ["arch", "kernel", "variant", "warps", "registers", "spills (B)", "smem (KiB)", "programs/SM", "status"]
+    head = ["arch", "kernel", "variant", "warps", "registers", "spills (B)", "stack (B)", "smem (KiB)", "programs/SM"]
+    head.append("status")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         status = "ok" if not r.problems else "FAIL: " + "; ".join(r.problems)[:300]
         cells = [f"sm_{r.arch}", r.kernel, r.variant, str(r.warps), str(r.registers), str(r.spill_bytes)]
+        cells.append(str(r.stack_bytes))
         cells += [f"{r.smem / 1024:.1f}", str(r.programs_per_sm), status]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

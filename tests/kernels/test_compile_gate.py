@@ -2,8 +2,8 @@
 
 The quick subset of ``tools/compile_gate.py`` (each kernel at each head_dim on both archs) runs in
 a subprocess without ``TRITON_INTERPRET`` (the suite sets it for the interpreter tests); each
-variant is then one test that fails on a compile error, shared memory above a block's limit or a
-register spill. The full matrix: ``python tools/compile_gate.py --full``.
+variant is then one test that fails on a compile error, shared memory above a block's limit, a
+register spill or a stack frame. The full matrix: ``python tools/compile_gate.py --full``.
 """
 
 from __future__ import annotations
@@ -67,14 +67,19 @@ def test_variant_compiles_without_spills_within_shared_memory(
         assert r["registers"] > 0 and r["programs_per_sm"] >= 1
 
 
-def test_parse_ptxas_reads_registers_and_spills() -> None:
+def test_parse_ptxas_reads_registers_spills_and_stack() -> None:
     log = textwrap.dedent("""\
         ptxas info    : Compiling entry function 'k' for 'sm_90a'
         ptxas info    : Function properties for k
             128 bytes stack frame, 96 bytes spill stores, 64 bytes spill loads
         ptxas info    : Used 255 registers, used 1 barriers
         """)
-    assert parse_ptxas(log) == (255, 160)
+    assert parse_ptxas(log) == (255, 160, 128)
+    # a stack frame without spills: registers saved around ptxas's own subroutine calls
+    log = log.replace(
+        "128 bytes stack frame, 96 bytes spill stores, 64", "16 bytes stack frame, 0 bytes spill stores, 0"
+    )
+    assert parse_ptxas(log) == (255, 0, 16)
     with pytest.raises(ValueError, match="Used N registers"):
         parse_ptxas("ptxas fatal : Unsupported .version 9.0")
 
@@ -88,11 +93,13 @@ def test_programs_per_sm_takes_the_tightest_limit() -> None:
 
 
 def test_check_row_names_each_problem() -> None:
-    ok = Row(90, "v", "k", 4, 128, 0, 200 * 1024, 1)
+    ok = Row(90, "v", "k", 4, 128, smem=200 * 1024, programs_per_sm=1)
     assert check_row(ok) == []
-    big = Row(80, "v", "k", 4, 128, 0, 200 * 1024, 0)
+    big = Row(80, "v", "k", 4, 128, smem=200 * 1024)
     assert any("200 KiB > 163 KiB per block on sm_80" in p for p in check_row(big))
-    assert check_row(Row(90, "v", "k", 4, 255, 24, 0, 1)) == ["24 bytes of register spills per thread"]
+    assert check_row(Row(90, "v", "k", 4, 255, 24, programs_per_sm=1)) == ["24 bytes of register spills per thread"]
+    stack = Row(90, "v", "k", 8, 128, 0, 16, 4096, 2)
+    assert check_row(stack) == ["16 bytes of stack frame per thread"]
     assert check_row(Row(90, "v", "k", error="NameError")) == ["compile error: NameError"]
     assert ARCHS[90].block_smem == 227 * 1024
 

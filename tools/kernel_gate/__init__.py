@@ -5,13 +5,15 @@ Triton's NVIDIA backend and ``ptxas`` ship inside the ``triton`` wheel. A stand-
 ``kernel[grid](...)`` of the real launchers in :mod:`kvarn.kernels.triton.ops`, driven with CPU tensors,
 then compiles (``warmup=True``) instead of launching. For each compiled kernel the gate reads:
 
-* registers and spills from ``ptxas -v`` on the kernel's PTX (the ``ptxas`` Triton itself uses for
-  that arch, with its flags; results cached under Triton's cache directory by PTX hash);
+* registers, spills and the stack frame from ``ptxas -v`` on the kernel's PTX (the ``ptxas`` Triton
+  itself uses for that arch, with its flags; results cached under Triton's cache directory by PTX
+  hash). A stack frame is local memory even when ptxas counts no spill in it: registers it saves
+  around its own subroutine calls (e.g. the slow path of an IEEE division) land there;
 * shared memory from ``metadata.shared``;
 * programs per SM from registers, warps and shared memory (:func:`programs_per_sm`).
 
 A variant fails on a compile error, on shared memory above one block's limit (:data:`ARCHS`), on
-any register spill, and on still compiling after a timeout (:func:`compile_variants` compiles each
+any register spill or stack frame, and on still compiling after a timeout (:func:`compile_variants` compiles each
 variant in its own forked process group and kills it, ptxas included). The kernels must be
 compiled, not interpreted: run the gate in a process without ``TRITON_INTERPRET=1``
 (``tools/compile_gate.py`` does). The variants are in :mod:`tools.kernel_gate.variants`.
@@ -94,6 +96,7 @@ class Row:
     warps: int = 0
     registers: int = 0
     spill_bytes: int = 0  # spill stores + spill loads per thread, from ptxas -v
+    stack_bytes: int = 0  # stack frame per thread (local memory), from ptxas -v
     smem: int = 0  # bytes, metadata.shared
     programs_per_sm: int = 0
     error: str = ""
@@ -107,7 +110,7 @@ class Row:
 
 
 def check_row(row: Row) -> list[str]:
-    """Why ``row`` fails the gate: compile error, shared memory over a block's limit, spills."""
+    """Why ``row`` fails the gate: compile error, shared memory over a block's limit, spills, a stack frame."""
     if row.error:
         return [f"compile error: {row.error}"]
     out = []
@@ -116,6 +119,8 @@ def check_row(row: Row) -> list[str]:
         out.append(f"shared memory {row.smem / 1024:.0f} KiB > {limit // 1024} KiB per block on sm_{row.arch}")
     if row.spill_bytes:
         out.append(f"{row.spill_bytes} bytes of register spills per thread")
+    if row.stack_bytes:
+        out.append(f"{row.stack_bytes} bytes of stack frame per thread")
     if row.programs_per_sm < 1:
         out.append("no program fits on one SM")
     return out
@@ -137,15 +142,16 @@ _PTXAS_RE = {
     "registers": re.compile(r"Used (\d+) registers"),
     "stores": re.compile(r"(\d+) bytes spill stores"),
     "loads": re.compile(r"(\d+) bytes spill loads"),
+    "stack": re.compile(r"(\d+) bytes stack frame"),
 }
 
 
-def parse_ptxas(log: str) -> tuple[int, int]:
-    """``ptxas -v`` output -> (registers per thread, spill store + load bytes per thread)."""
+def parse_ptxas(log: str) -> tuple[int, int, int]:
+    """``ptxas -v`` output -> (registers, spill store + load bytes, stack frame bytes), per thread."""
     found = {k: [int(x) for x in r.findall(log)] for k, r in _PTXAS_RE.items()}
     if not found["registers"]:
         raise ValueError(f"no 'Used N registers' line in ptxas output:\n{log[-2000:]}")
-    return max(found["registers"]), sum(found["stores"]) + sum(found["loads"])
+    return max(found["registers"]), sum(found["stores"]) + sum(found["loads"]), max(found["stack"], default=0)
 
 
 def _ptxas(arch: int) -> tuple[str, list[str]]:
@@ -162,25 +168,25 @@ def _ptxas(arch: int) -> tuple[str, list[str]]:
     return str(tool.path), flags
 
 
-def ptxas_usage(ptx: str, arch: int, fp_fusion: bool, cache_dir: Path) -> tuple[int, int]:
-    """Registers and spill bytes of ``ptx`` for ``arch``, from ``ptxas -v`` (cached by PTX hash)."""
+def ptxas_usage(ptx: str, arch: int, fp_fusion: bool, cache_dir: Path) -> tuple[int, int, int]:
+    """Registers, spill bytes and stack frame bytes of ``ptx`` for ``arch``, from ``ptxas -v`` (cached by PTX hash)."""
     exe, flags = _ptxas(arch)
     cmd = [exe, "-v", *flags, *([] if fp_fusion else ["--fmad=false"])]
     key = hashlib.sha256((" ".join(cmd[1:]) + ptx).encode()).hexdigest()[:32]
-    hit = cache_dir / f"{key}.json"
+    hit = cache_dir / f"{key}.usage.json"
     if hit.exists():
-        regs, spills = json.loads(hit.read_text())
-        return int(regs), int(spills)
+        regs, spills, stack = json.loads(hit.read_text())
+        return int(regs), int(spills), int(stack)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
         res = subprocess.run([*cmd, str(src), "-o", str(Path(tmp) / "k.o")], capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(f"ptxas failed ({res.returncode}): {res.stderr[-2000:]}")
-    regs, spills = parse_ptxas(res.stderr)
+    usage = parse_ptxas(res.stderr)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    hit.write_text(json.dumps([regs, spills]))
-    return regs, spills
+    hit.write_text(json.dumps(list(usage)))
+    return usage
 
 
 class StandInDriver(DriverBase):  # type: ignore[misc]
@@ -286,12 +292,12 @@ def compile_call(
         seen.add(k.hash)
         md = k.metadata
         try:
-            regs, spills = ptxas_usage(k.asm["ptx"], arch, bool(md.enable_fp_fusion), cache)
+            regs, spills, stack = ptxas_usage(k.asm["ptx"], arch, bool(md.enable_fp_fusion), cache)
         except (RuntimeError, ValueError) as e:
             rows.append(Row(arch, variant, name, md.num_warps, error=_first_lines(e)))
             continue
         occ = programs_per_sm(arch, regs, md.num_warps, md.shared)
-        rows.append(Row(arch, variant, name, md.num_warps, regs, spills, md.shared, occ))
+        rows.append(Row(arch, variant, name, md.num_warps, regs, spills, stack, md.shared, occ))
     return rows
 
 

@@ -20,6 +20,9 @@ from kvarn.schemes import BUILTINS, get_scheme
 HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 4, 7, 8)  # query heads per KV head; 7 is not a power of two
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# the store's block ids: int64 from vLLM's step plan, int32 from quantize_tiles_triton; the pointer's
+# element type is part of the kernel's signature, so each compiles a kernel of its own
+BLOCK_IDS = {"i64": torch.int64, "i32": torch.int32}
 KV_HEADS = 8
 # Every built-in keeps exact first tokens (the kernels' HAS_SINK specialization); this opt-out keeps
 # the specialization without a sink compiled too.
@@ -31,7 +34,8 @@ class Variant:
     """One launcher call to compile: arch, op (store, decode, prefill), scheme, head_dim, query dtype.
 
     ``pool``: decode/prefill read the staging tail from a slot-indexed pool (``tail_slot``, the
-    vLLM path, a kernel specialization of its own) rather than per sequence.
+    vLLM path, a kernel specialization of its own) rather than per sequence. ``ids``: the store's
+    block id dtype (:data:`BLOCK_IDS`).
     """
 
     arch: int
@@ -42,11 +46,12 @@ class Variant:
     group: int = 1  # decode/prefill: query heads per KV head
     splits: int = 1  # decode: split-K factor
     pool: bool = True
+    ids: str = "i64"  # store: block id dtype
 
     @property
     def name(self) -> str:
         short = self.scheme.removeprefix("kvarn_")
-        extra = ""
+        extra = f" {self.ids}" if self.op == "store" else ""
         if self.op != "store":
             extra = f" g{self.group}" + (f" s{self.splits}" if self.op == "decode" else "")
             extra += "" if self.pool else " per-seq"
@@ -56,7 +61,7 @@ class Variant:
 def full_variants(archs: tuple[int, ...] = (90, 80)) -> list[Variant]:
     """Every built-in preset (and :data:`NO_SINK`) x head_dim 64/128/256 x query groups 1/4/7/8 x fp16/bf16 x arch.
 
-    Decode with and without split-K; decode and prefill read the tail pool by slot (the vLLM path)
+    The store with int64 and int32 block ids; decode with and without split-K; decode and prefill read the tail pool by slot (the vLLM path)
     at every group, and per sequence at group 1.
     """
     out = []
@@ -64,7 +69,7 @@ def full_variants(archs: tuple[int, ...] = (90, 80)) -> list[Variant]:
         for name in (*BUILTINS, NO_SINK):
             for d in HEAD_DIMS:
                 for dt in DTYPES:
-                    out.append(Variant(arch, "store", name, d, dt))
+                    out += [Variant(arch, "store", name, d, dt, ids=ids) for ids in BLOCK_IDS]
                     for g in GROUPS:
                         out += [Variant(arch, "decode", name, d, dt, g, s) for s in (1, 4)]
                         out.append(Variant(arch, "prefill", name, d, dt, g))
@@ -76,8 +81,8 @@ def full_variants(archs: tuple[int, ...] = (90, 80)) -> list[Variant]:
 def quick_variants(archs: tuple[int, ...] = (90, 80)) -> list[Variant]:
     """Each kernel at each head_dim on each arch (the subset ``make test`` runs), with the default
     exact first token; decode and prefill also without a sink (:data:`NO_SINK`) at head_dim 128,
-    decode with one query head per KV head at 256, and the store of a scheme with a 3-bit side at
-    head_dim 128."""
+    decode with one query head per KV head at 256, the store of a scheme with a 3-bit side at
+    head_dim 128, and the store of 64-token tiles at head_dim 128 with int64 and int32 block ids."""
     out = []
     for arch in archs:
         for d in HEAD_DIMS:
@@ -92,6 +97,8 @@ def quick_variants(archs: tuple[int, ...] = (90, 80)) -> list[Variant]:
         out.append(Variant(arch, "decode", "kvarn_k4v2_g128", 256, "fp16", 1, 4))
         # a 3-bit side is packed differently and has a config of its own at head_dim 128
         out.append(Variant(arch, "store", "kvarn_k3v2_g128", 128, "bf16"))
+        # a 4-bit side of 64-token tiles has a config of its own at head_dim 128
+        out += [Variant(arch, "store", "kvarn_k4v2_g64", 128, "bf16", ids=ids) for ids in BLOCK_IDS]
     return out
 
 
@@ -103,7 +110,7 @@ def launch(v: Variant) -> None:
     if v.op == "store":
         x = torch.zeros(bsz, h, t, d, dtype=dt)
         cache = torch.zeros(bsz, h, scheme.tile_bytes(d), dtype=torch.uint8)
-        ops.store_tiles(x, x, cache, torch.arange(bsz, dtype=i32), scheme)
+        ops.store_tiles(x, x, cache, torch.arange(bsz, dtype=BLOCK_IDS[v.ids]), scheme)
         return
     cache = torch.zeros(bsz * tiles, h, scheme.tile_bytes(d), dtype=torch.uint8)
     table = torch.arange(bsz * tiles, dtype=i32).view(bsz, tiles)

@@ -257,7 +257,7 @@ def _params(lo, hi, lut_ptr, QMAX: tl.constexpr, LOG8: tl.constexpr, LIBDEVICE: 
     return s, q, s_raw, o_raw
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H"])  # one kernel for every head count: H == 1 is not a variant of its own
 def store_side_kernel(
     x_ptr,  # [N, H, T, D] fp16/bf16/fp32, last axis contiguous
     stride_xn,

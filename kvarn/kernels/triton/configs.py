@@ -38,13 +38,13 @@ def store_configs(scheme: Scheme, head_dim: int, bits: int | None = None) -> lis
     ``block_m`` is the tokens per row chunk (512 elements) and ``block_n`` the channels per
     column chunk (~2048 elements); the kernel reduces over tokens by row chunks and over channels
     by column chunks. The config is per side (``bits``: the side's code width; the two sides are
-    separate launches): 4 warps first for 3-bit sides at head_dim 128 and 256 and 4-bit sides of
-    64-token tiles at 256, 8 warps first otherwise. No register cap (``maxnreg``).
+    separate launches): 4 warps first for 3-bit sides, and 4-bit sides of 64-token tiles, at
+    head_dim 128 and 256; 8 warps first otherwise. No register cap (``maxnreg``).
     """
     t, d = scheme.group_size, head_dim
     rows, cols = min(t, max(1, 512 // d)), min(d, max(1, 2048 // t))
     sides = (scheme.key_bits, scheme.value_bits) if bits is None else (bits,)
-    if (head_dim in (128, 256) and 3 in sides) or (head_dim == 256 and t == 64 and 4 in sides):
+    if head_dim in (128, 256) and (3 in sides or (t == 64 and 4 in sides)):
         return [KernelConfig(4, 1, rows, cols), KernelConfig(8, 1, rows, cols)]
     return [KernelConfig(8, 1, rows, cols), KernelConfig(4, 1, rows, cols)]
 
