@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvarn.testing.synthetic
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kvarn, installed or not
 
 from kvarn.vllm.engine import cpu_engine, kv_tokens  # noqa: E402
 
