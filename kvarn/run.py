@@ -58,11 +58,14 @@ _SUMMARY: dict[str, str] = {}  # step -> one line for the final summary
 
 def step_tune(args: argparse.Namespace) -> int:
     """A fast ``kvarn-tune`` run (:mod:`kvarn.run_tune`); exit 1 when it wrote no preset."""
+    import torch
+
     from kvarn.run_tune import BUDGET, describe, tune_default
     from kvarn.schemes import user_preset_dir
 
+    torch.set_num_threads(args.threads)
     out = user_preset_dir()
-    print(f"kvarn-tune on {args.model}: {describe(BUDGET)}", flush=True)
+    print(f"kvarn-tune on {args.model}: {describe(BUDGET)}, {args.threads} torch thread(s)", flush=True)
     cpu0 = time.process_time()
     _TUNE_RAN.append(True)
     name = tune_default(args.model, BUDGET, str(out))
@@ -178,7 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--greedy-tokens", type=int, default=64, help="accuracy step: greedy continuation (default 64)")
     p.add_argument("--chunk", type=int, default=128, help="accuracy step: tokens per forward pass (default 128)")
     p.add_argument("--full", action="store_true", help="the docs/accuracy.md measurement: 2048 tokens, greedy 256")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: robust on shared 2-core machines)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the accuracy and tune steps (default 1: robust on shared 2-core machines)",
+    )
     p.add_argument("--json", help="accuracy step: write the results as JSON here")
     p.add_argument("--plot", help="accuracy step: write the Pareto plot (PNG) here")
     names = [n for n, _ in STEPS]

@@ -56,7 +56,7 @@ def test_serve_step_serves_the_file_the_tune_step_wrote_by_its_name(
     served: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _tune_writes(monkeypatch, Scheme(3, 2, 64))
-    args = argparse.Namespace(model="smollm2-135m")
+    args = argparse.Namespace(model="smollm2-135m", threads=1)
     assert run.step_tune(args) == 0 and run.step_serve(args) == 0
     written = derived_name("smollm2-135m", parse_budget(run_tune.BUDGET))
     assert served == [written]
@@ -72,7 +72,7 @@ def test_a_failed_tune_step_is_reported_and_the_builtin_served(
 ) -> None:
     """The committed preset stands in only for a skipped tune step, never for a failed one."""
     _tune_writes(monkeypatch, None)
-    args = argparse.Namespace(model="smollm2-135m")
+    args = argparse.Namespace(model="smollm2-135m", threads=1)
     assert run.step_tune(args) == 1 and run.step_serve(args) == 0
     assert served == ["kvarn_k4v2_g128"]
     assert "wrote no preset" in capsys.readouterr().out
@@ -82,7 +82,7 @@ def test_skipped_tune_step_serves_the_committed_preset_unless_shadowed(
     served: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """No tune step: docs/tuned's file is served only if its name resolves to it."""
-    args = argparse.Namespace(model="smollm2-135m")
+    args = argparse.Namespace(model="smollm2-135m", threads=1)
     assert run.step_serve(args) == 0
     committed = Path(run.__file__).resolve().parents[1] / "docs" / "tuned" / f"{NAME}.yaml"
     assert served == [NAME] and f"serving {NAME} from {committed}" in capsys.readouterr().out
