@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 import kvarn.run as run
 import kvarn.run_tune as run_tune
@@ -19,8 +20,10 @@ NAME = "kvarn_smollm2_135m_1pct"
 
 
 @pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
-    """The presets handed to vLLM, in order; the user preset folder and KVARN_PRESET_PATH isolated."""
+def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[str]]:
+    """The presets handed to vLLM, in order; the user preset folder, KVARN_PRESET_PATH and the
+    torch thread count (the tune step sets it) restored after the test."""
+    threads = torch.get_num_threads()
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("KVARN_PRESET_PATH", "")  # restored after the test: the serve step sets it
     monkeypatch.setattr(run, "_TUNED", [])
@@ -33,7 +36,8 @@ def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
         return 0
 
     monkeypatch.setattr(run_vllm, "main", fake_vllm)
-    return calls
+    yield calls
+    torch.set_num_threads(threads)
 
 
 def _tune_writes(monkeypatch: pytest.MonkeyPatch, scheme: Scheme | None) -> None:
