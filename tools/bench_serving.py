@@ -48,7 +48,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -313,8 +313,10 @@ def run(
     serve_args: list[str] | None = None,
     bench_timeout_s: float = 3600,
     log_dir: Path | None = None,
+    on_row: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per (repeat, cache, workload), in the order run (see module doc)."""
+    """One row per (repeat, cache, workload), in the order run (see module doc); ``on_row`` is called
+    with the rows so far after each one (a run cut short keeps what it measured)."""
     folder = model_folder(model, layers)
     label = model if model == "smollm2-135m" else f"{model} ({layers} layers)"
     kv_bytes = int(kv_gib * 2**30)
@@ -350,6 +352,8 @@ def run(
                         "load_avg_1min": round(max(load, os.getloadavg()[0]), 1),  # other work on the machine
                     }  # fmt: skip
                     rows.append(row)
+                    if on_row is not None:
+                        on_row(rows)
                     print(
                         f"[{i + 1}/{len(order)}] {label} {cache} {w.name} ({w.num_prompts} x {w.input_len}+"
                         f"{w.output_len}, {w.max_concurrency} at once): {row['output_tok_per_s']:.1f} tok/s, "
@@ -520,10 +524,13 @@ def main(argv: list[str] | None = None) -> int:
     ]
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     rev, where = commit(), machine()
-    rows = run(a.model, a.caches, loads, a.repeats, a.kv_gib, a.layers, a.serve_arg, a.bench_timeout, a.log_dir)
-    if a.json:
-        a.json.write_text(json.dumps({"commit": rev, "machine": where, "date": when, "argv": argv, "rows": rows,
-                                      "summary": summarize(rows)}, indent=1))  # fmt: skip
+
+    def save(rows: list[dict[str, Any]]) -> None:
+        if a.json:
+            a.json.write_text(json.dumps({"commit": rev, "machine": where, "date": when, "argv": argv, "rows": rows,
+                                          "summary": summarize(rows)}, indent=1))  # fmt: skip
+
+    rows = run(a.model, a.caches, loads, a.repeats, a.kv_gib, a.layers, a.serve_arg, a.bench_timeout, a.log_dir, save)
     return report(rows, argv, when, where, rev, None if a.no_doc else a.doc, a.model)
 
 
