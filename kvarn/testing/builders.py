@@ -59,7 +59,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)  # type: ignore[no-untyped-call]
 
 
 def gemma3_config(
@@ -139,13 +139,13 @@ def other_sliding_models(window: int = 40, seed: int = 0) -> list[Any]:
     (2 layers, all sliding, head_dim 64), both tiny, with random weights."""
     common: dict[str, Any] = dict(vocab_size=VOCAB, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
     torch.manual_seed(seed)
-    gemma2 = Gemma2ForCausalLM(
+    gemma2 = Gemma2ForCausalLM(  # type: ignore[no-untyped-call]
         Gemma2Config(**common, hidden_size=64, num_hidden_layers=4, head_dim=128, sliding_window=window)
     )
-    mistral = MistralForCausalLM(
+    mistral = MistralForCausalLM(  # type: ignore[no-untyped-call]
         MistralConfig(**common, hidden_size=128, num_hidden_layers=2, head_dim=64, sliding_window=window)
     )
-    return [gemma2.eval(), mistral.eval()]
+    return [gemma2.eval(), mistral.eval()]  # type: ignore[no-untyped-call]
 
 
 def save(model: Any, folder: Path) -> Path:
@@ -174,7 +174,7 @@ def save_deepseek_v2(folder: Path) -> Path:
     from transformers import DeepseekV2ForCausalLM
 
     torch.manual_seed(0)
-    DeepseekV2ForCausalLM(deepseek_v2_config()).to(torch.bfloat16).save_pretrained(folder)
+    DeepseekV2ForCausalLM(deepseek_v2_config()).to(torch.bfloat16).save_pretrained(folder)  # type: ignore[no-untyped-call, arg-type]
     byte_tokenizer().save_pretrained(folder)
     return folder
 

@@ -55,7 +55,7 @@ def make_tiny_llama(
     src = Path(resolve_model("smollm2-135m"))
     torch.manual_seed(seed)
     config = LlamaConfig(**_llama_shape(head_dim, num_layers, num_heads, num_kv_heads))
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)  # type: ignore[no-untyped-call, arg-type]
     for f in src.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(f, folder / f.name)
