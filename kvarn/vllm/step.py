@@ -44,7 +44,7 @@ class StepTensors:
     cu_seqlens: torch.Tensor  # [R + 1] int32 query offsets of the rows (unused in decode)
     block_table: torch.Tensor  # [R, W] int32 packed tiles each row reads
     num_tiles: torch.Tensor  # [R] int32
-    tail_slot: torch.Tensor  # [R] int32 staging slot read (0 where tail_lens is 0)
+    tail_slot: torch.Tensor  # [R] int32 tail slot read: a scratch tile (paged tails) or staging slot; 0 if no tail
     tail_lens: torch.Tensor  # [R] int32
     sink_slot: torch.Tensor | None  # [R] int32 sink slot read (schemes with sinks)
     sink_lens: torch.Tensor | None  # [R] int32 exact rows read (0: tile 0 quantized, or still in the tail)
