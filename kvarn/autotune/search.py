@@ -291,7 +291,12 @@ def search(
         if isinstance(space, AllocationSpace):
             allocate(space, lambda f, n: feasible_at(space.point(f, n)), objective.bits, best_bits, stopped)
         elif isinstance(space, LadderSpace):
-            bisect_smallest(len(space.rungs) - 1, lambda i: feasible_at(space.point(i)))
+            found = bisect_smallest(len(space.rungs) - 1, lambda i: feasible_at(space.point(i)))
+            # the rungs just above the winner, measured too, so that the held-out check, when it
+            # rejects one, confirms the next rung up rather than the next rung the bisection measured
+            objective.pareto = True
+            for i in range(found + 1, min(len(space.rungs) - 1, found + config.confirm)) if found is not None else ():
+                feasible_at(space.point(i))
         elif evaluated < config.trials:
             optimize(None)
     except KeyboardInterrupt:
