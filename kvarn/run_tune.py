@@ -3,7 +3,7 @@
 The setting (:data:`FAST`): a KL budget (the stable measure on short texts), the ``ladder`` search
 (one precision for all layers, bisected: no sensitivity pass), 768 tokens of each of the two
 calibration documents (GPL-3 and kvarn's own code) and of the two held-out ones (the two halves of
-Python's documentation, a kind the search never saw). The ladder bounds the work at five
+Python's documentation, a kind the search never saw). The ladder bounds the work at seven
 measurements of 1536 tokens and gives the same preset whatever the machine's load. Its time, how
 often such a winner breaks the budget on unseen text, and the full-size runs are in
 docs/tuning.md. The preset goes to the user preset directory (or ``--out``), so the serving step
