@@ -4,7 +4,8 @@ The ladder is a list of uniform schemes (one codec layout: tile, Hadamard rotati
 normalization iterations, one exact first token; bit pairs and scale formats varied), ordered by
 bits per element. Damage falls as bits rise along it (assumed, as in
 :mod:`kvarn.autotune.allocate`), so the cheapest rung within the budget is found by bisection:
-the top rung first, then about log2(rungs) measurements. No sensitivity pass is needed, which makes
+the top rung first, then about log2(rungs) measurements; the search then also measures the rungs
+just above the winner, which the held-out check falls back to when it rejects the winner. No sensitivity pass is needed, which makes
 it the fastest search: ``make run``'s tune step uses it.
 """
 
