@@ -17,7 +17,7 @@ from transformers import AutoConfig
 from kvarn.autotune.budget import parse_budget
 from kvarn.autotune.tuner import TuneConfig, tune
 from kvarn.cli import main
-from kvarn.eval.harness import Evaluator
+from kvarn.eval.harness import Evaluator, default_text
 from kvarn.hf import cache_geometry
 from kvarn.schemes import Scheme
 from tests.models.conftest import WINDOW
@@ -82,7 +82,7 @@ def _tune_small(folder: Path, tmp_path: Path) -> tuple[Any, list[dict[str, Any]]
     """A 2-trial ``kvarn-tune`` run on ``folder`` (256 tokens, no per-layer search): the model's cache
     geometry and the trials that were measured (at least one)."""
     config = TuneConfig(
-        budget=parse_budget("50%"), model=str(folder), tokens=256, trials=2, sensitivity_tokens=0,
+        budget=parse_budget("50%"), model=str(folder), text=default_text(), tokens=256, trials=2, sensitivity_tokens=0,
         per_layer=False, group_sizes=(32, 64), confirm=1, prune_tokens=0, cache_dir=tmp_path, chunk=CHUNK,
         progress=False,
     )  # fmt: skip
@@ -120,7 +120,7 @@ def test_kvarn_tune_sensitivity_skips_recurrent_layers(hybrid_folder: Path, tmp_
         return original(self, spec, *args, **kwargs)
 
     config = TuneConfig(
-        budget=parse_budget("50%"), model=str(hybrid_folder), tokens=256, trials=1, sensitivity_tokens=128,
+        budget=parse_budget("50%"), model=str(hybrid_folder), text=default_text(), tokens=256, trials=1, sensitivity_tokens=128,
         group_sizes=(64,), confirm=1, prune_tokens=0, cache_dir=tmp_path, chunk=CHUNK, progress=False,
     )  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
