@@ -37,7 +37,7 @@ vllm-metadata:
 	@$(PY) -c $(VLLM_META_OK)
 
 run: setup
-	$(PY) -m kvarn.run --model $(MODEL)
+	$(PY) -m kvarn.job --model $(MODEL)
 
 test: setup
 	$(PY) -m pytest -q --durations=15

@@ -38,7 +38,7 @@ def describe(budget: str = BUDGET) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvarn.run_tune", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvarn.job.tune", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--budget", default=BUDGET)
     parser.add_argument("--out", help="preset directory (default: the user preset directory)")

@@ -7,7 +7,7 @@ the first tile, so decoding reads quantized tiles.
 
 Usage (vLLM's CPU engine spawns processes, hence the ``__main__`` guard)::
 
-    python -m kvarn.run_vllm --preset kvarn_k4v2_g128 --kv-gib 1
+    python -m kvarn.job.serve --preset kvarn_k4v2_g128 --kv-gib 1
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def serve_and_report(model: str, preset: str, kv_gib: int, max_tokens: int = 48)
 
 def main(argv: Sequence[str] | None = None, summary: dict[str, str] | None = None) -> int:
     """CLI entry; ``summary`` (when given) receives a one-line result under ``"serve"``."""
-    parser = argparse.ArgumentParser(prog="python -m kvarn.run_vllm", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvarn.job.serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="model alias or local Hugging Face folder")
     parser.add_argument("--preset", default="kvarn_k4v2_g128", help="any kvarn preset name")
     parser.add_argument("--kv-gib", type=int, default=1, help="KV cache memory in GiB (VLLM_CPU_KVCACHE_SPACE)")

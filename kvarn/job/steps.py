@@ -5,7 +5,7 @@ Steps (each a function ``(args) -> exit code``, run in order; later features app
 1. ``presets``  -- the scheme table at the model's head_dim (64 for SmolLM2-135M).
 2. ``accuracy`` -- ``kvarn eval`` in decode mode for fp16, the kvarn presets and the baselines.
 3. ``tune``     -- ``kvarn-tune`` at a KL budget in a setting that takes minutes
-   (:mod:`kvarn.run_tune`); writes a preset into the user preset directory.
+   (:mod:`kvarn.job.tune`); writes a preset into the user preset directory.
 4. ``serve``    -- vLLM (when installed) serves the model with exactly the preset file the tune step
    wrote, by its name; only when the tune step is skipped (``--skip tune``), the preset of the
    full tuning run committed in docs/tuned (docs/tuning.md). When the tune step failed, or the
@@ -57,10 +57,10 @@ _SUMMARY: dict[str, str] = {}  # step -> one line for the final summary
 
 
 def step_tune(args: argparse.Namespace) -> int:
-    """A fast ``kvarn-tune`` run (:mod:`kvarn.run_tune`); exit 1 when it wrote no preset."""
+    """A fast ``kvarn-tune`` run (:mod:`kvarn.job.tune`); exit 1 when it wrote no preset."""
     import torch
 
-    from kvarn.run_tune import BUDGET, describe, tune_default
+    from kvarn.job.tune import BUDGET, describe, tune_default
     from kvarn.schemes import user_preset_dir
 
     torch.set_num_threads(args.threads)
@@ -114,7 +114,7 @@ def _committed_preset(model: str) -> tuple[str, Path] | None:
     from kvarn.schemes.registry import PRESET_PATH_ENV
 
     name = derived_name(model, parse_budget(COMMITTED_BUDGET))
-    folder = Path(__file__).resolve().parents[1] / "docs" / "tuned"
+    folder = Path(__file__).resolve().parents[2] / "docs" / "tuned"
     if not (folder / f"{name}.yaml").is_file():
         return None
     os.environ[PRESET_PATH_ENV] = os.pathsep.join(p for p in (str(folder), os.environ.get(PRESET_PATH_ENV)) if p)
@@ -135,7 +135,7 @@ def _resolves_to(name: str, file: Path | None) -> str | None:
 
 def step_serve(args: argparse.Namespace) -> int:
     """Serve through vLLM with a kvarn preset; prints its file, capacity vs the 16-bit cache and a sample."""
-    from kvarn.run_vllm import main as vllm_main
+    from kvarn.job.serve import main as vllm_main
 
     candidates: list[tuple[str, Path | None]] = [*_TUNED]
     if not _TUNE_RAN:
@@ -170,7 +170,7 @@ STEPS: list[tuple[str, Step]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvarn.run", description="kvarn's main job (make run).")
+    p = argparse.ArgumentParser(prog="python -m kvarn.job", description="kvarn's main job (make run).")
     p.add_argument("--model", default="smollm2-135m", help="model alias or local Hugging Face folder")
     p.add_argument(
         "--schemes",

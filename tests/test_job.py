@@ -9,11 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvarn.run as run
-import kvarn.run_tune as run_tune
-import kvarn.run_vllm as run_vllm
 from kvarn.autotune.budget import parse_budget
 from kvarn.autotune.config import derived_name
+from kvarn.job import serve, steps, tune
 from kvarn.schemes import Preset, Scheme, save_preset
 
 NAME = "kvarn_smollm2_135m_1pct"
@@ -26,16 +24,16 @@ def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[str
     threads = torch.get_num_threads()
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("KVARN_PRESET_PATH", "")  # restored after the test: the serve step sets it
-    monkeypatch.setattr(run, "_TUNED", [])
-    monkeypatch.setattr(run, "_TUNE_RAN", [])
-    monkeypatch.setattr(run, "_SUMMARY", {})
+    monkeypatch.setattr(steps, "_TUNED", [])
+    monkeypatch.setattr(steps, "_TUNE_RAN", [])
+    monkeypatch.setattr(steps, "_SUMMARY", {})
     calls: list[str] = []
 
     def fake_vllm(argv: Sequence[str], summary: dict[str, str] | None = None) -> int:
         calls.append(argv[argv.index("--preset") + 1])
         return 0
 
-    monkeypatch.setattr(run_vllm, "main", fake_vllm)
+    monkeypatch.setattr(serve, "main", fake_vllm)
     yield calls
     torch.set_num_threads(threads)
 
@@ -53,7 +51,7 @@ def _tune_writes(monkeypatch: pytest.MonkeyPatch, scheme: Scheme | None) -> None
         save_preset(Preset(name, scheme, provenance=prov), Path(out) / f"{name}.yaml")
         return name
 
-    monkeypatch.setattr(run_tune, "tune_default", fake_tune)
+    monkeypatch.setattr(tune, "tune_default", fake_tune)
 
 
 def test_serve_step_serves_the_file_the_tune_step_wrote_by_its_name(
@@ -61,14 +59,14 @@ def test_serve_step_serves_the_file_the_tune_step_wrote_by_its_name(
 ) -> None:
     _tune_writes(monkeypatch, Scheme(3, 2, 64))
     args = argparse.Namespace(model="smollm2-135m", threads=1)
-    assert run.step_tune(args) == 0 and run.step_serve(args) == 0
-    written = derived_name("smollm2-135m", parse_budget(run_tune.BUDGET))
+    assert steps.step_tune(args) == 0 and steps.step_serve(args) == 0
+    written = derived_name("smollm2-135m", parse_budget(tune.BUDGET))
     assert served == [written]
     tuned = tmp_path / "config" / "kvarn" / "presets" / f"{written}.yaml"
     out = capsys.readouterr().out
     assert f"serving {written} from {tuned}" in out
     assert "3.250 bits/element" in out and "held-out KL 0.0071 on python-docs:1/2" in out
-    assert str(tuned) in run._SUMMARY["serve"]
+    assert str(tuned) in steps._SUMMARY["serve"]
 
 
 def test_a_failed_tune_step_is_reported_and_the_builtin_served(
@@ -77,7 +75,7 @@ def test_a_failed_tune_step_is_reported_and_the_builtin_served(
     """The committed preset stands in only for a skipped tune step, never for a failed one."""
     _tune_writes(monkeypatch, None)
     args = argparse.Namespace(model="smollm2-135m", threads=1)
-    assert run.step_tune(args) == 1 and run.step_serve(args) == 0
+    assert steps.step_tune(args) == 1 and steps.step_serve(args) == 0
     assert served == ["kvarn_k4v2_g128"]
     assert "wrote no preset" in capsys.readouterr().out
 
@@ -87,18 +85,18 @@ def test_skipped_tune_step_serves_the_committed_preset_unless_shadowed(
 ) -> None:
     """No tune step: docs/tuned's file is served only if its name resolves to it."""
     args = argparse.Namespace(model="smollm2-135m", threads=1)
-    assert run.step_serve(args) == 0
-    committed = Path(run.__file__).resolve().parents[1] / "docs" / "tuned" / f"{NAME}.yaml"
+    assert steps.step_serve(args) == 0
+    committed = Path(steps.__file__).resolve().parents[2] / "docs" / "tuned" / f"{NAME}.yaml"
     assert served == [NAME] and f"serving {NAME} from {committed}" in capsys.readouterr().out
     # an earlier run's tuned file of that name in the user folder wins the lookup: not served as docs/tuned's
     save_preset(Preset(NAME, Scheme(3, 2, 64)), tmp_path / "config" / "kvarn" / "presets" / f"{NAME}.yaml")
     served.clear()
-    assert run.step_serve(args) == 0
+    assert steps.step_serve(args) == 0
     assert served == ["kvarn_k4v2_g128"]
     assert f"not serving {NAME}: the name resolves to" in capsys.readouterr().out
 
 
 def test_sample_prompt_reaches_past_the_first_tile() -> None:
-    prompt = run_vllm.sample_prompt()
+    prompt = serve.sample_prompt()
     assert prompt.startswith("                    GNU GENERAL PUBLIC LICENSE")
     assert len(prompt) >= 4 * 300  # 432 SmolLM2 tokens; English text has under 4.5 characters a token
