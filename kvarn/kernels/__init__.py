@@ -4,8 +4,8 @@
   protocol (:class:`AttentionOps`).
 * :mod:`kvarn.kernels.dispatch`: :func:`ops_for`, which picks a backend for a device.
 * :mod:`kvarn.kernels.triton`: Triton kernels (CUDA; CPU tensors under ``TRITON_INTERPRET=1``).
-* :mod:`kvarn.kernels.cpu`: a native C++ kernel built with ``torch.utils.cpp_extension``, and a
-  vectorized-torch fallback.
+* :mod:`kvarn.kernels.cpu`: a native C++ kernel built with ``torch.utils.cpp_extension``, and the
+  torch path (vectorized PyTorch, no compiler needed).
 
 Importing this package imports neither Triton nor a compiler.
 """

@@ -1,9 +1,9 @@
 """The CPU backend's :class:`~kvarn.kernels.api.AttentionOps`: attention over packed tiles and the store.
 
 Decode runs the native kernel (:mod:`.native`) where it builds and takes the tensors, else the
-vectorized torch path (:mod:`.fallback`); prefill runs torch's CPU flash attention (:mod:`.prefill`), except short segments
-(:data:`SHORT_SEGMENT` tokens or fewer), which the native decode kernel attends token by token so
-that they get the bits decoding them gives. Layout and token order of the context: :mod:`kvarn.kernels.api`.
+torch path (vectorized PyTorch, :mod:`.torch_path`); prefill runs torch's CPU flash attention
+(:mod:`.prefill`), except short segments (:data:`SHORT_SEGMENT` tokens or fewer), which the native
+decode kernel attends token by token so that they get the bits decoding them gives. Layout and token order of the context: :mod:`kvarn.kernels.api`.
 Full tiles are quantized into the cache by :func:`store_tiles` (:mod:`.store`).
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from kvarn.kernels._checks import FLOAT_DTYPES, KernelArgumentError, check_new_tokens, check_query, check_tensor
 from kvarn.kernels.api import PagedContext
-from kvarn.kernels.cpu import fallback, native, prefill
+from kvarn.kernels.cpu import native, prefill, torch_path
 from kvarn.kernels.cpu._checks import CPU, check_context, check_indices
 from kvarn.kernels.cpu.store import quantize_tiles_cpu, store_tiles
 
@@ -38,8 +38,8 @@ def decode_attention(
         ctx: the cached context; ``cache`` may be a page view (last axis contiguous), ``tail_lens``
             counts the new token, slot tensors are int32 or int64.
         out: optional ``[B, Hq, D]`` output buffer (any float dtype and strides).
-        impl: ``auto`` (the native kernel when it builds and takes the tensors, else torch),
-            ``native`` (error without it) or ``torch`` (the vectorized PyTorch path).
+        impl: ``auto`` (the native kernel when it builds and takes the tensors, else the torch path),
+            ``native`` (error without it) or ``torch`` (the torch path, :mod:`.torch_path`).
 
     Returns:
         ``[B, Hq, D]`` in ``query``'s dtype (``out`` when given); zeros for a sequence with no token.
@@ -56,7 +56,7 @@ def decode_attention(
     if impl == "native":
         raise KernelArgumentError("impl='native': the native kernel is not built or does not take these tensors")
     check_indices(ctx)
-    out.copy_(fallback.decode(ctx, query))
+    out.copy_(torch_path.decode(ctx, query))
     return out
 
 

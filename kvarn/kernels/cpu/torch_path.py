@@ -1,4 +1,6 @@
-"""Vectorized PyTorch decode attention over packed tiles: the portable CPU path behind :mod:`kvarn.kernels.cpu.ops`.
+"""The torch path: decode attention over packed tiles in vectorized PyTorch, the portable CPU path
+behind :mod:`kvarn.kernels.cpu.ops` (``impl="torch"``; taken where the native kernel does not build
+or does not take the tensors).
 
 Decode attends the records directly, batched over requests, KV heads and tiles, the way the GPU
 kernel does: with ``kq, vq`` the codes of a tile in the rotated domain,
