@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
 import re
@@ -53,6 +52,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "tools") not in sys.path:  # sibling tools import by name, also when this file is loaded by its path
+    sys.path.insert(0, str(ROOT / "tools"))
+
+from doc_section import measuring_args, utc_stamp, write_section  # noqa: E402
+
 DOC = ROOT / "docs" / "serving.md"
 VLLM = Path(sys.executable).with_name("vllm")  # the console script next to this interpreter
 MODELS = ("smollm2-135m", "llama1b-shapes")
@@ -296,7 +300,6 @@ def model_folder(model: str, layers: int) -> Path:
     if model == "smollm2-135m":
         return resolve_model(model, dtype="bfloat16")
     if model == "llama1b-shapes":
-        sys.path.insert(0, str(ROOT / "tools"))
         from realistic_model import build
 
         return build(layers)
@@ -453,27 +456,9 @@ def commit() -> str:
     return head + (f" (with uncommitted changes in {', '.join(folders)})" if folders else "")
 
 
-def write_section(doc: Path, name: str, body: str) -> None:
-    """Replace the text between ``<!-- name -->`` and ``<!-- /name -->`` in ``doc`` (appended if absent)."""
-    text = doc.read_text() if doc.exists() else "# Serving benchmark\n"
-    block = f"<!-- {name} -->\n{body}\n<!-- /{name} -->"
-    pattern = re.compile(rf"<!-- {re.escape(name)} -->.*?<!-- /{re.escape(name)} -->", re.S)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
-    doc.write_text(text)
-
-
 def _measuring_args(argv: list[str]) -> list[str]:
     """The arguments that change what is measured (``--json``, ``--log-dir``, ``--doc`` left out)."""
-    out: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in ("--json", "--log-dir", "--doc"):
-            skip = True
-        elif a != "--no-doc" and not a.startswith(("--json=", "--log-dir=", "--doc=")):
-            out.append(a)
-    return out
+    return measuring_args(argv, ("--json", "--log-dir", "--doc"), ("--no-doc",))
 
 
 def section(
@@ -522,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         scaled(WORKLOADS[n], a.num_prompts, a.input_len, a.output_len, a.latency_prompts, a.prefix_len)
         for n in a.workloads
     ]
-    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    when = utc_stamp()
     rev, where = commit(), machine()
 
     def save(rows: list[dict[str, Any]]) -> None:
@@ -542,7 +527,7 @@ def report(
     print(table(summary))
     if doc is not None:
         loads = [r["load_avg_1min"] for r in rows if r.get("load_avg_1min") is not None]
-        write_section(doc, f"serving:{model}", section(summary, argv, when, where, rev, loads))
+        write_section(doc, f"serving:{model}", section(summary, argv, when, where, rev, loads), "# Serving benchmark")
     return 0
 
 

@@ -1,0 +1,49 @@
+"""What the benchmark tools share: the section of a ``docs/`` page a run replaces, and the command
+and date it records.
+
+A benchmark prints its table and replaces its section of a page (the text between
+``<!-- name -->`` and ``<!-- /name -->``), stamped with the UTC time and the command that measured
+it, less the options that only say where the output goes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from collections.abc import Collection, Sequence
+from pathlib import Path
+
+
+def write_section(doc: Path, name: str, body: str, title: str = "# Benchmarks") -> None:
+    """Replace the text between ``<!-- name -->`` and ``<!-- /name -->`` in ``doc`` with ``body``
+    (appended if absent; a missing ``doc`` starts with the heading ``title``)."""
+    text = doc.read_text() if doc.exists() else title + "\n"
+    block = f"<!-- {name} -->\n{body}\n<!-- /{name} -->"
+    pattern = re.compile(rf"<!-- {re.escape(name)} -->.*?<!-- /{re.escape(name)} -->", re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    doc.write_text(text)
+
+
+def measuring_args(argv: Sequence[str], valued: Collection[str], flags: Collection[str] = ()) -> list[str]:
+    """``argv`` less the options that do not change what is measured: each of ``valued`` with its
+    value (``--json x`` or ``--json=x``) and each of ``flags``.
+
+    Example:
+        >>> measuring_args(["a", "--json", "x", "--no-doc", "--doc=d", "--n", "4"], ("--json", "--doc"), ("--no-doc",))
+        ['a', '--n', '4']
+    """
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in valued:
+            skip = True
+        elif a not in flags and a.split("=", 1)[0] not in valued:
+            out.append(a)
+    return out
+
+
+def utc_stamp() -> str:
+    """The time now, as the sections print it: ``2026-12-04 23:29 UTC``."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
