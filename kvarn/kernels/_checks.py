@@ -115,6 +115,56 @@ def check_new_tokens(
     return cu_seqlens_q.shape[0] - 1
 
 
+def check_pages(ctx: PagedContext, bsz: int, hq: int, d: int, device: torch.device) -> int:
+    """Check the paged part of ``ctx`` for ``bsz`` sequences of ``hq`` query heads of head_dim ``d``:
+    the scheme, ``cache`` ``[blocks, Hkv, tile_bytes]`` uint8 with ``hq`` a multiple of ``Hkv``,
+    ``block_table`` ``[B, *]`` and ``num_tiles`` ``[B]`` int32; returns ``Hkv``."""
+    cache = ctx.cache
+    tile_bytes = check_scheme(ctx.scheme, d)
+    if cache.dim() != 3:
+        raise KernelArgumentError(f"cache must be [num_blocks, num_kv_heads, tile_bytes], got {list(cache.shape)}")
+    hkv = cache.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise KernelArgumentError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
+    check_tensor("cache", cache, (None, hkv, tile_bytes), (torch.uint8,), device)
+    check_tensor("block_table", ctx.block_table, (bsz, None), (torch.int32,), device)
+    check_tensor("num_tiles", ctx.num_tiles, (bsz,), (torch.int32,), device)
+    return hkv
+
+
+def check_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    ctx: PagedContext,
+    device: torch.device,
+) -> tuple[int, int]:
+    """Check prefill's new tokens (:func:`check_new_tokens`), the pages (:func:`check_pages`) and
+    that ``key`` has the cache's KV heads; returns ``(B, Hkv)``."""
+    bsz = check_new_tokens(query, key, value, cu_seqlens_q, device)
+    hkv = check_pages(ctx, bsz, query.shape[1], query.shape[2], device)
+    if key.shape[1] != hkv:
+        raise KernelArgumentError(f"key has {key.shape[1]} KV heads, cache {hkv}")
+    return bsz, hkv
+
+
+def output_buffer(
+    out: torch.Tensor | None,
+    query: torch.Tensor,
+    shape: tuple[int, int, int],
+    device: torch.device,
+    *,
+    any_strides: bool = False,
+) -> torch.Tensor:
+    """An op's output: ``out`` checked against ``shape`` (any float dtype; a contiguous last axis
+    unless ``any_strides``), or a new contiguous tensor of ``query``'s dtype."""
+    if out is None:
+        return torch.empty(shape, dtype=query.dtype, device=device)
+    check_tensor("out", out, shape, FLOAT_DTYPES, device, inner_contiguous=not any_strides)
+    return out
+
+
 def check_rows(
     name: str,
     k: torch.Tensor,

@@ -7,10 +7,9 @@ import torch
 from kvarn.kernels._checks import (
     INDEX_DTYPES,
     KernelArgumentError,
+    check_pages,
     check_rows,
-    check_scheme,
     check_sink_given,
-    check_tensor,
 )
 from kvarn.kernels.api import PagedContext
 
@@ -69,16 +68,8 @@ def check_context(ctx: PagedContext, bsz: int, hq: int, d: int, *, indices: bool
 
 
 def _check_layout(ctx: PagedContext, bsz: int, hq: int, d: int) -> None:
-    scheme, cache = ctx.scheme, ctx.cache
-    tile_bytes = check_scheme(scheme, d)
-    if cache.dim() != 3:
-        raise KernelArgumentError(f"cache must be [num_blocks, num_kv_heads, tile_bytes], got {list(cache.shape)}")
-    hkv = cache.shape[1]
-    if hkv == 0 or hq % hkv:
-        raise KernelArgumentError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
-    check_tensor("cache", cache, (None, hkv, tile_bytes), (torch.uint8,), CPU)
-    check_tensor("block_table", ctx.block_table, (bsz, None), (torch.int32,), CPU)
-    check_tensor("num_tiles", ctx.num_tiles, (bsz,), (torch.int32,), CPU)
+    scheme = ctx.scheme
+    hkv = check_pages(ctx, bsz, hq, d, CPU)
     tail_k, tail_v, tail_lens, tail_slot = ctx.tail_k, ctx.tail_v, ctx.tail_lens, ctx.tail_slot
     check_rows("tail", tail_k, tail_v, tail_lens, tail_slot, (bsz, hkv, d), CPU, INDEX_DTYPES)
     if tail_k.shape[2] != scheme.group_size:

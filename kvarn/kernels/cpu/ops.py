@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from kvarn.kernels._checks import FLOAT_DTYPES, KernelArgumentError, check_new_tokens, check_query, check_tensor
+from kvarn.kernels._checks import KernelArgumentError, check_prefill, check_query, output_buffer
 from kvarn.kernels.api import PagedContext
 from kvarn.kernels.cpu import native, prefill, torch_path
 from kvarn.kernels.cpu._checks import CPU, check_context, check_indices
@@ -48,7 +48,7 @@ def decode_attention(
         raise KernelArgumentError(f"impl={impl!r} is not one of: {', '.join(IMPLS)}")
     bsz, hq, d = check_query(query, CPU)
     check_context(ctx, bsz, hq, d, indices=False)
-    out = _output(out, query, (bsz, hq, d))
+    out = output_buffer(out, query, (bsz, hq, d), CPU, any_strides=True)
     if not bsz:
         return out
     if impl != "torch" and native.decode(query, ctx, out):  # raises on an index out of range
@@ -88,14 +88,12 @@ def prefill_attention(
     Returns:
         ``[N, Hq, D]`` in ``query``'s dtype (``out`` when given).
     """
-    bsz = check_new_tokens(query, key, value, cu_seqlens_q, CPU)
+    bsz, _ = check_prefill(query, key, value, cu_seqlens_q, ctx, CPU)
     total, hq, d = query.shape
     if bsz and (int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != total or bool((cu_seqlens_q.diff() < 0).any())):
         raise KernelArgumentError(f"cu_seqlens_q must rise from 0 to {total}, got {cu_seqlens_q.tolist()}")
-    if ctx.cache.dim() == 3 and key.shape[1] != ctx.cache.shape[1]:
-        raise KernelArgumentError(f"key has {key.shape[1]} KV heads, cache {ctx.cache.shape[1]}")
     check_context(ctx, bsz, hq, d)
-    out = _output(out, query, (total, hq, d))
+    out = output_buffer(out, query, (total, hq, d), CPU, any_strides=True)
     if not (bsz and total):
         return out
     q_lens = cu_seqlens_q.diff()
@@ -168,10 +166,3 @@ def _segment_tokens(cu: torch.Tensor, seg: torch.Tensor, lens: torch.Tensor) -> 
     """Query token indices of segments ``seg`` (``lens`` tokens each, starting at ``cu[seg]``), in order."""
     starts = torch.repeat_interleave(cu[seg] - (lens.cumsum(0) - lens), lens)
     return starts + torch.arange(int(lens.sum()))
-
-
-def _output(out: torch.Tensor | None, query: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
-    if out is None:
-        return torch.empty(shape, dtype=query.dtype)
-    check_tensor("out", out, shape, FLOAT_DTYPES, CPU, inner_contiguous=False)
-    return out

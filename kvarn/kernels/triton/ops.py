@@ -18,14 +18,14 @@ import triton
 
 from kvarn.codec.tiles import layout
 from kvarn.kernels._checks import (
-    FLOAT_DTYPES,
     KernelArgumentError,
-    check_new_tokens,
+    check_pages,
+    check_prefill,
     check_query,
     check_scheme,
     check_store,
-    check_tensor,
     log8_table,
+    output_buffer,
     refuse_non_finite,
     rotation,
 )
@@ -44,11 +44,6 @@ from kvarn.kernels.triton.configs import (
 from kvarn.schemes.scheme import Scheme
 
 __all__ = ["decode_attention", "prefill_attention", "quantize_tiles_triton", "store_tiles"]
-
-
-def _check_cache(cache: torch.Tensor, scheme: Scheme, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
-    check_tensor("cache", cache, (None, num_kv_heads, scheme.tile_bytes(head_dim)), (torch.uint8,), device)
-    _check_apart(cache, num_kv_heads)
 
 
 def _check_apart(cache: torch.Tensor, num_kv_heads: int) -> None:
@@ -202,23 +197,14 @@ def decode_attention(
     """
     dev = query.device
     bsz, hq, d = check_query(query, dev)
-    scheme, cache, block_table = ctx.scheme, ctx.cache, ctx.block_table
-    check_scheme(scheme, d)
-    if cache.dim() != 3:
-        raise KernelArgumentError(f"cache must be [num_blocks, num_kv_heads, tile_bytes], got {list(cache.shape)}")
-    hkv = cache.shape[1]
-    if hq % hkv:
-        raise KernelArgumentError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
-    _check_cache(cache, scheme, hkv, d, dev)
-    check_tensor("block_table", block_table, (bsz, None), (torch.int32,), dev)
-    check_tensor("num_tiles", ctx.num_tiles, (bsz,), (torch.int32,), dev)
+    scheme = ctx.scheme
+    hkv = check_pages(ctx, bsz, hq, d, dev)
+    _check_apart(ctx.cache, hkv)
     group = hq // hkv
     cfg = config or decode_configs(scheme, d, group)[0]
     context, consts = context_args(ctx, bsz, d, cfg.block_n)
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    check_tensor("out", out, (bsz, hq, d), FLOAT_DTYPES, dev)
-    splits = num_splits if num_splits is not None else choose_num_splits(bsz, hkv, block_table.shape[1], dev)
+    out = output_buffer(out, query, (bsz, hq, d), dev)
+    splits = num_splits if num_splits is not None else choose_num_splits(bsz, hkv, ctx.block_table.shape[1], dev)
     if not 1 <= splits <= 1024:
         raise KernelArgumentError(f"num_splits={splits} must be in 1..1024")
     if bsz == 0:
@@ -275,23 +261,15 @@ def prefill_attention(
         ``[total_q, num_q_heads, D]`` in ``query``'s dtype.
     """
     dev = query.device
-    bsz = check_new_tokens(query, key, value, cu_seqlens_q, dev)
+    bsz, hkv = check_prefill(query, key, value, cu_seqlens_q, ctx, dev)
     total, hq, d = query.shape
-    hkv = key.shape[1]
-    scheme, cache = ctx.scheme, ctx.cache
-    check_scheme(scheme, d)
-    if hq % hkv:
-        raise KernelArgumentError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
+    scheme = ctx.scheme
     if key.stride() != value.stride():
         raise KernelArgumentError(f"key and value must have the same strides, got {key.stride()} and {value.stride()}")
-    _check_cache(cache, scheme, hkv, d, dev)
-    check_tensor("block_table", ctx.block_table, (bsz, None), (torch.int32,), dev)
-    check_tensor("num_tiles", ctx.num_tiles, (bsz,), (torch.int32,), dev)
+    _check_apart(ctx.cache, hkv)
     cfg = config or prefill_configs(d)[0]
     context, consts = context_args(ctx, bsz, d, cfg.block_n)
-    if out is None:
-        out = torch.empty(total, hq, d, dtype=query.dtype, device=dev)
-    check_tensor("out", out, (total, hq, d), FLOAT_DTYPES, dev)
+    out = output_buffer(out, query, (total, hq, d), dev)
     if max_query_len is not None and max_query_len < 0:
         raise KernelArgumentError(f"max_query_len={max_query_len} must be >= 0")
     q_max = min(total, max_query_len if max_query_len is not None else total)
