@@ -113,6 +113,9 @@ class Objective:
             always disable it: greedy agreement of a prefix says little about the whole).
         pareto: measure every trial (no skipping by bits), to trace the whole front.
         progress: evaluator progress bars.
+        since: trials numbered below this (an interrupted run's, in a resumed study) do not decide
+            which points are skipped; their measurements are reused (:meth:`prime`). An enqueued
+            search (allocate, ladder) then replays the uninterrupted run's path, trial for trial.
     """
 
     space: SpaceLike
@@ -129,6 +132,7 @@ class Objective:
     context: int | None = None  # sequence length the sink cost is spread over (None: not counted)
     feasibility: str = "bound"  # "bound": upper confidence bound within budget; "point": the estimate
     bits_of: Callable[[Scheme], float] | None = None  # bits of a model with sliding layers (see tuner.layer_mix_bits)
+    since: int = 0
 
     def __post_init__(self) -> None:
         self.cache: dict[str, dict[str, Any]] = {}
@@ -188,7 +192,8 @@ class Objective:
         trial.set_user_attr("scheme", scheme.name)
         trial.set_user_attr("bits", bits)
         if not self.pareto:
-            best = best_feasible(trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+            done = trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            best = best_feasible([t for t in done if t.number >= self.since])
             if best is not None and bits >= float(best.value or 0.0):
                 trial.set_user_attr("status", f"skipped: {bits:.4f} bits cannot beat {float(best.value or 0):.4f}")
                 raise optuna.TrialPruned("cannot beat the best feasible bits")

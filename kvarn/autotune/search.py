@@ -8,6 +8,13 @@ Optuna's TPE sampler roam the whole :class:`~kvarn.autotune.space.SearchSpace`.
 The study is named from everything that defines the search
 (model, text, budget, space, seed), so the same command with the same ``storage`` resumes it.
 Trials left RUNNING by a killed process are marked FAIL before the study continues.
+
+A resumed ``allocate`` or ``ladder`` search replays the uninterrupted run's path from its first
+point: every decision (which point next, which points are skipped) reads only the trials of the
+current run, and a point measured before the interruption is answered from its stored
+measurement (a new trial, not evaluated again). So the interrupted and resumed run measures the
+same schemes and picks the same winner as one uninterrupted run. A resumed ``tpe`` search keeps
+every trial but samples anew (the sampler's random state is not stored).
 """
 
 from __future__ import annotations
@@ -166,7 +173,9 @@ def make_space(
 
 def open_study(config: TuneConfig, name: str) -> optuna.Study:
     """Create or load the study ``name`` in ``config.storage`` and fail the trials a killed
-    process left RUNNING (they cannot be resumed)."""
+    process left RUNNING (they cannot be resumed) and, for a search that enqueues one point at a
+    time (allocate, ladder), WAITING: ``study.optimize`` would run that stale point in place of the
+    one enqueued next."""
     storage = optuna.storages.get_storage(config.storage)
     prune_tokens = config.resolved_prune_tokens()
     pruner: optuna.pruners.BasePruner = optuna.pruners.NopPruner()
@@ -174,7 +183,8 @@ def open_study(config: TuneConfig, name: str) -> optuna.Study:
         pruner = optuna.pruners.ThresholdPruner(upper=config.budget.limit * config.prune_slack)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler: optuna.samplers.BaseSampler = optuna.samplers.RandomSampler(seed=config.seed)  # enqueued points
-    if not config.allocates and config.strategy != "ladder":
+    enqueues = config.allocates or config.strategy == "ladder"
+    if not enqueues:
         sampler = optuna.samplers.TPESampler(seed=config.seed, n_startup_trials=8, multivariate=True, group=True)
     study = optuna.create_study(
         study_name=name,
@@ -184,7 +194,8 @@ def open_study(config: TuneConfig, name: str) -> optuna.Study:
         sampler=sampler,
         pruner=pruner,
     )
-    stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    states = (TrialState.RUNNING, TrialState.WAITING) if enqueues else (TrialState.RUNNING,)
+    stale = study.get_trials(deepcopy=False, states=states)
     if stale:
         study_id = storage.get_study_id_from_name(name)
         for t in stale:
@@ -221,6 +232,7 @@ def search(
     )
     name = config.study_name or study_name(config, space, text_sha)
     study = open_study(config, name)
+    first = len(study.trials)  # this run's trials are numbered from here on
     objective = Objective(
         space,
         config.budget,
@@ -234,6 +246,7 @@ def search(
         context=config.bits_context,
         bits_of=bits_of,
         feasibility=config.feasibility,
+        since=first if isinstance(space, AllocationSpace | LadderSpace) else 0,
     )
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
     objective.prime(done)
@@ -281,7 +294,8 @@ def search(
         return t.state == TrialState.COMPLETE and t.constraints.get(CONSTRAINT, 1.0) <= 0.0
 
     def best_bits() -> float | None:
-        best = best_feasible(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        best = best_feasible([t for t in done if t.number >= objective.since])
         return None if best is None or best.value is None else float(best.value)
 
     interrupted = False

@@ -8,6 +8,7 @@ Thin: parse arguments, make library calls (:class:`kvarn.eval.harness.Evaluator`
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,12 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_count(p, "--prompts", 1, drift.DEFAULT_PROMPTS, "drift: prompts")
     add_count(p, "--prompt-tokens", 1, drift.DEFAULT_PROMPT_TOKENS, "drift: tokens per prompt, from the text")
     add_count(p, "--drift-tokens", 1, drift.DEFAULT_TOKENS, "drift: tokens generated from each prompt")
-    p.add_argument("--json", type=Path, help="write one JSON object per scheme to this file")
+    p.add_argument(
+        "--json",
+        type=Path,
+        help="write one JSON object per scheme to this file, rewritten as each scheme finishes (an interrupted "
+        "run keeps the finished rows)",
+    )
     p.add_argument("--plot", type=Path, help="write the Pareto plot (bits/element vs KL) to this PNG")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument(
@@ -149,8 +155,25 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def run_eval(args: argparse.Namespace) -> int:
-    """The ``kvarn eval`` command. Bad input raises (``kvarn`` prints it and exits with 2)."""
+def write_rows(rows: list[Result], path: Path, meta: dict[str, Any]) -> None:
+    """Write ``rows`` to ``path`` as :func:`~kvarn.eval.report.write_json` does, atomically: into a
+    file beside it, then renamed over it, so that a run killed at any moment leaves either the rows
+    before this one or all of them, never a truncated file."""
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        write_json(rows, part, meta)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def checked_schemes(args: argparse.Namespace) -> list[str]:
+    """The scheme names ``args`` asks for, after every check that needs no model: scheme names,
+    device, ``--plot`` with the task, ``--text`` a file.
+
+    Raises:
+        ValueError, UnknownSchemeError, PresetError, FileNotFoundError: naming the bad value.
+    """
     names = expand_schemes(args.schemes)
     for n in names:
         resolve_spec(n)  # unknown names fail before the model loads
@@ -159,11 +182,15 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"--plot draws bits/element vs KL of --task perplexity, not of --task {args.task}")
     if args.task == "needle" and FP16 not in names:
         names.insert(0, FP16)  # the 16-bit rate belongs beside every other
-    text = None
-    if args.text is not None:
-        if not args.text.is_file():
-            raise FileNotFoundError(f"--text {args.text}: no such file")
-        text = args.text.read_text(encoding="utf-8")
+    if args.text is not None and not args.text.is_file():
+        raise FileNotFoundError(f"--text {args.text}: no such file")
+    return names
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """The ``kvarn eval`` command. Bad input raises (``kvarn`` prints it and exits with 2)."""
+    names = checked_schemes(args)
+    text = None if args.text is None else args.text.read_text(encoding="utf-8")
     if args.threads:
         torch.set_num_threads(args.threads)
     tokens = {"perplexity": args.tokens, "needle": max(args.lengths), "drift": 10**9}[args.task]
@@ -195,7 +222,7 @@ def run_eval(args: argparse.Namespace) -> int:
     def save(r: Result) -> None:  # after every scheme, so a long run keeps what it measured
         done.append(r)
         if args.json:
-            write_json(done, args.json, meta)
+            write_rows(done, args.json, meta)
 
     progress = not args.no_progress
     where = f"{args.dtype} on {args.device}; BOS {'prepended' if ev.bos else 'not prepended'}, --bos {args.bos}"

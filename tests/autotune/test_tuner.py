@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import optuna
@@ -87,11 +88,39 @@ def test_interrupted_study_resumes(tmp_path: Path) -> None:
     again = tune(cfg, factory=FakeFactory(), dims=DIMS)
     assert again.study_name == first.study_name and not again.interrupted
     done = [t for t in again.trials if t["state"] in ("COMPLETE", "PRUNED")]
-    assert sum(t["evaluated"] for t in done) == 12  # --trials counts evaluated trials
+    whole = tune(replace(cfg, storage=None), factory=FakeFactory(), dims=DIMS)  # the search ends before 12
+    assert sum(t["evaluated"] for t in done) == sum(t["evaluated"] for t in whole.trials) == 11
     before = {t["number"]: t["scheme"] for t in finished}
     assert {t["number"]: t["scheme"] for t in again.trials if t["number"] in before} == before  # nothing lost
     study = optuna.load_study(study_name=first.study_name, storage=storage)
     assert not [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
+
+
+@pytest.mark.parametrize("strategy", ["allocate", "ladder"])
+def test_resumed_search_replays_the_uninterrupted_path(tmp_path: Path, strategy: str) -> None:
+    """Cut after 3 measurements (plus a stale point left WAITING, as a kill between enqueueing and
+    running leaves it), then resumed: the same schemes measured once each, the same winner."""
+    cfg = _config(tmp_path, trials=30, sensitivity_tokens=0, strategy=strategy)
+    whole_ev = FakeFactory()
+    whole = tune(replace(cfg, storage=f"sqlite:///{tmp_path / 'whole.db'}"), factory=whole_ev, dims=DIMS)
+    assert whole.outcome is Outcome.OK and whole.winner is not None, whole.message
+    measured = [name for name, _ in whole_ev.made[0].calls]
+    assert len(measured) >= 5  # enough to cut it in the middle
+
+    cut_cfg = replace(cfg, storage=f"sqlite:///{tmp_path / 'cut.db'}")
+    cut_ev = FakeFactory(interrupt_after=3)
+    cut = tune(cut_cfg, factory=cut_ev, dims=DIMS)
+    assert cut.interrupted
+    study = optuna.load_study(study_name=cut.study_name, storage=cut_cfg.storage)
+    study.enqueue_trial(dict(study.trials[0].params))
+
+    again_ev = FakeFactory()
+    again = tune(cut_cfg, factory=again_ev, dims=DIMS)
+    assert again.winner is not None and again.winner.scheme == whole.winner.scheme
+    resumed = [name for name, _ in again_ev.made[0].calls]
+    assert [name for name, _ in cut_ev.made[0].calls] + resumed == measured  # nothing measured twice
+    states = {t.state for t in optuna.load_study(study_name=cut.study_name, storage=cut_cfg.storage).trials}
+    assert optuna.trial.TrialState.WAITING not in states and optuna.trial.TrialState.RUNNING not in states
 
 
 def test_short_text_rejects_large_tiles(tmp_path: Path) -> None:
