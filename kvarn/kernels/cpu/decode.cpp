@@ -1,40 +1,57 @@
 // Native CPU decode attention. One task per (sequence, KV head, split of SPLIT_TILES of its tiles)
 // streams its tiles record by record: key scores straight from the packed codes for all G query
 // heads of the KV head at once (score = kf * ((q_r * ks) . codes + q_r . ko)), an online softmax
-// per tile, then the value codes of ROWS rows at a time unpacked into L1
-// (acc_r += vf * ((p * vs) @ codes + p . vo)); one more task per (sequence, KV head) attends the
+// per tile, then value sums straight from the packed value codes, each code widened once for all G
+// heads (acc_r += vf * ((p * vs) @ codes + p . vo)); one more task per (sequence, KV head) attends the
 // exact rows (sink, tail) with the unrotated query. A second parallel loop merges the partial
 // softmax states in a fixed order, un-rotates the tile part and writes the output in the query's dtype.
 #include "kernels.h"
 #include "vec.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 using Args = kvarn::DecodeArgs;
 
 namespace {
 
+int thread_index() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
 struct Scratch {
-  std::vector<float> rows, qs, c, s, tmp, nat, ks, ko, kf, vs, vo, vf;
+  std::vector<float> rows, qs, qp, c, s, tmp, ks, ko, kf, vs, vo, vf, kperm, vperm, accp;
   std::vector<v8f> red;
   std::vector<int32_t> kidx, vidx;
   void fit(int64_t G, int64_t T, int64_t D) {
     const int64_t L = 2 * D;  // at most two planes
-    const int64_t G4 = (G + 3) / 4 * 4;  // query heads in groups of four
-    rows.resize(std::max<int64_t>(ROWS * L, D)); qs.resize(G4 * L); c.resize(G); s.resize(G * T); tmp.resize(G4 * L); nat.resize(D);
-    ks.resize(D); ko.resize(D); kf.resize(T); vs.resize(T); vo.resize(T); vf.resize(D);
+    rows.resize(std::max<int64_t>(ROWS * L, D)); qs.resize(G * L); qp.resize(G * L); c.resize(G); s.resize(G * T);
+    tmp.resize(G * L); ks.resize(D); ko.resize(D); kf.resize(T); vs.resize(T); vo.resize(T);
+    vf.resize(D); kperm.resize(L); vperm.resize(L); accp.resize(G * L);
     red.resize(4 * 8); kidx.resize(L); vidx.resize(L);
   }
 };
 
+// Tiles t0..t1-1 of sequence b, KV head h, for the rotated query qr [G, D]. The query, the channel
+// parameters and the accumulator live in the codes' plane order (vec.h), so that nothing is permuted
+// per query head and tile; the accumulator returns to channel order (planes summed) once at the end.
 void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t sink_n, const float* qr,
                 float* m, float* l, float* acc, Scratch& w) {
   const int64_t G = a.G, D = a.D, T = a.T;
   const int64_t KB = a.KB, VB = a.VB, LK = num_planes(KB) * D, LV = num_planes(VB) * D;
   const bool log8 = a.LOG8 != 0;
-  float* rows = w.rows.data(); float* qs = w.qs.data(); float* c = w.c.data(); float* s = w.s.data();
-  float* tmp = w.tmp.data();
+  float* qs = w.qs.data(); float* qp = w.qp.data(); float* c = w.c.data(); float* s = w.s.data();
+  float* vsum = w.tmp.data(); float* accp = w.accp.data(); float* kperm = w.kperm.data(); float* vperm = w.vperm.data();
+  const int32_t* kidx = w.kidx.data(); const int32_t* vidx = w.vidx.data();
   plane_channels_any(KB, D, w.kidx.data());
   plane_channels_any(VB, D, w.vidx.data());
-  std::fill(w.qs.begin(), w.qs.end(), 0.f);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t x = 0; x < LK; ++x) qp[g * LK + x] = qr[g * D + kidx[x]];
+  std::fill(accp, accp + G * LV, 0.f);
   const int64_t record_bytes = a.VF + (log8 ? 1 : 2) * D;
   if (t0 < t1) {
     const uint8_t* first = a.cache + a.block_table[b * a.bt_sb + t0] * a.cache_sb + h * a.cache_sh;
@@ -45,17 +62,15 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
     const uint8_t* rec = a.cache + blk * a.cache_sb + h * a.cache_sh;
     if (i + 1 < t1) {  // records are scattered: fetch the next one while this one is computed
       const uint8_t* next = a.cache + a.block_table[b * a.bt_sb + i + 1] * a.cache_sb + h * a.cache_sh;
-      for (int64_t off = 0; off < record_bytes; off += 64) __builtin_prefetch(next + off);
+      for (int64_t off : {a.KC, a.KS, a.KO, a.KF, a.VC, a.VS, a.VO, a.VF}) __builtin_prefetch(next + off);
     }
     positives(rec + a.KS, D, log8, a.lut, w.ks.data());
     offsets(rec + a.KO, D, log8, w.ks.data(), w.ko.data());
     positives(rec + a.KF, T, log8, a.lut, w.kf.data());
+    for (int64_t x = 0; x < LK; ++x) kperm[x] = w.ks[kidx[x]];
     for (int64_t g = 0; g < G; ++g) {
-      float cg = 0.f;
-      const float* q = qr + g * D;
-      for (int64_t d = 0; d < D; ++d) cg += q[d] * w.ko[d];
-      c[g] = cg;
-      for (int64_t x = 0; x < LK; ++x) { const int32_t d = w.kidx[x]; qs[g * LK + x] = q[d] * w.ks[d]; }
+      c[g] = dot8(qr + g * D, w.ko.data(), D);
+      for (int64_t x = 0; x < LK; x += 8) storev(qs + g * LK + x, loadv(qp + g * LK + x) * loadv(kperm + x));
     }
     switch (KB) {
       case 2: packed_scores_all<2>(rec + a.KC, T, D, qs, LK, G, s, w.red.data()); break;
@@ -68,10 +83,11 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
     if (i == 0 && sink_n > 0 && a.SINK_TOKENS > 0)  // attended from the exact copies instead
       for (int64_t g = 0; g < G; ++g)
         for (int64_t t = 0; t < std::min(sink_n, T); ++t) s[g * T + t] = -INFINITY;
-    if (!softmax_step(s, G, T, T, D, m, l, acc)) continue;
+    if (!softmax_step(s, G, T, T, LV, m, l, accp)) continue;
     positives(rec + a.VS, T, log8, a.lut, w.vs.data());
     offsets(rec + a.VO, T, log8, w.vs.data(), w.vo.data());
     positives(rec + a.VF, D, log8, a.lut, w.vf.data());
+    for (int64_t x = 0; x < LV; ++x) vperm[x] = w.vf[vidx[x]];
     for (int64_t g = 0; g < G; ++g) {
       v8f cg = splat(0.f);
       for (int64_t t = 0; t < T; t += 8) {
@@ -81,19 +97,17 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
       }
       c[g] = hadd8(cg);
     }
-    std::fill(tmp, tmp + G * LV, 0.f);
-    for (int64_t r0 = 0; r0 < T; r0 += ROWS) {
-      unpack_rows_any(VB, rec + a.VC, T, D, r0, ROWS, rows);
-      value_sums(rows, s + r0, ROWS, LV, G, T, tmp);
-    }
-    float* nat = w.nat.data();
+    packed_value_sums_any(VB, rec + a.VC, T, D, s, T, G, vsum);
+    // acc_g += vf * (sum_t p_t vs_t codes_t + sum_t p_t vo_t): the offset term once per channel (plane 0)
     for (int64_t g = 0; g < G; ++g) {
-      std::fill(nat, nat + D, 0.f);
-      for (int64_t x = 0; x < LV; ++x) nat[w.vidx[x]] += tmp[g * LV + x];
-      #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += w.vf[d] * (nat[d] + c[g]);
+      const v8f cg = splat(c[g]);
+      float* ag = accp + g * LV; const float* sg = vsum + g * LV;
+      for (int64_t x = 0; x < D; x += 8) storev(ag + x, loadv(ag + x) + loadv(vperm + x) * (loadv(sg + x) + cg));
+      for (int64_t x = D; x < LV; x += 8) storev(ag + x, loadv(ag + x) + loadv(vperm + x) * loadv(sg + x));
     }
   }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t x = 0; x < LV; ++x) acc[g * D + vidx[x]] += accp[g * LV + x];
 }
 
 // exact rows (unrotated query q [G, D]): n rows of a [rows, D] slab at element stride st, ROWS at a time,
@@ -153,10 +167,11 @@ int kvarn::decode_attention(const Args& a) {
   const int64_t B = a.B, H = a.H, G = a.G, D = a.D, W = D + 2;
   const int64_t S = std::max<int64_t>(1, (a.BT_WIDTH + a.SPLIT_TILES - 1) / a.SPLIT_TILES), P = S + 1;
   std::vector<float> part((size_t)(B * H * P * G * W));  // per (b, h, part, g): m, l, acc[D]
+  std::vector<Scratch> scratch((size_t)std::max<int64_t>(1, a.NTHREADS));
+  for (Scratch& w : scratch) w.fit(G, a.T, D);
   #pragma omp parallel for schedule(dynamic, 1) num_threads((int)a.NTHREADS)
   for (int64_t task = 0; task < B * H * P; ++task) {
-    thread_local Scratch w;
-    w.fit(G, a.T, D);
+    Scratch& w = scratch[(size_t)thread_index()];
     const int64_t b = task / (H * P), h = (task / P) % H, split = task % P;
     float* base = part.data() + task * G * W;
     std::vector<float> m(G, -INFINITY), l(G, 0.f), acc(G * D, 0.f), q(G * D), qr(G * D);

@@ -25,19 +25,29 @@ inline v8f loadv(const float* p) { v8f v; std::memcpy(&v, p, 32); return v; }
 inline void storev(float* p, v8f v) { std::memcpy(p, &v, 32); }
 inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 
+#if defined(__F16C__)
+// 8 fp16 values (unaligned) to floats in one instruction (GCC's generic conversion goes element by element)
+inline v8f half8(const void* p) { return (v8f)_mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p))); }
+#endif
+
+inline float hadd8(v8f v);
+
+// sum of a[i] * b[i], n a multiple of 8
+inline float dot8(const float* a, const float* b, int64_t n) {
+  v8f acc = splat(0.f);
+  for (int64_t i = 0; i < n; i += 8) acc += loadv(a + i) * loadv(b + i);
+  return hadd8(acc);
+}
+
 // stored params: fp16, or one log8 byte (scales, factors) / int8 zero point times the scale (offsets)
 inline void positives(const uint8_t* src, int64_t n, bool log8, const float* lut, float* dst) {
   if (log8) {
     for (int64_t i = 0; i < n; ++i) dst[i] = lut[src[i]];
     return;
   }
-#if defined(__F16C__) && defined(__FLT16_MAX__)
-  typedef _Float16 v8h __attribute__((vector_size(16)));
-  for (int64_t i = 0; i < n; i += 8) {  // n is a multiple of 8 (head_dim >= 64, group_size >= 32)
-    v8h x;
-    std::memcpy(&x, src + 2 * i, 16);
-    storev(dst + i, __builtin_convertvector(x, v8f));
-  }
+#if defined(__F16C__)
+  for (int64_t i = 0; i < n; i += 8)  // n is a multiple of 8 (head_dim >= 64, group_size >= 32)
+    storev(dst + i, half8(src + 2 * i));
 #else
   for (int64_t i = 0; i < n; ++i) { uint16_t h; std::memcpy(&h, src + 2 * i, 2); dst[i] = half_to_float(h); }
 #endif
@@ -304,6 +314,75 @@ inline void value_sums(const float* rows, const float* p, int64_t R, int64_t L, 
   }
 }
 
+// out[g * L + j * n + c] = sum_t p[g * ld + t] * code[t][j * n + c] for query heads g0..g0+NG-1, straight
+// from one W-bit plane of packed value codes (plane order, as unpack_rows, times 2**shift): the codes
+// of 8 bytes are widened once per row for NG heads and two of the P codes per byte, so that the
+// 2 * NG accumulators, NG broadcast weights, the codes and the mask fit AVX2's 16 vector registers
+template <int W, int NG>
+inline void plane_value_group(const uint8_t* plane, int64_t T, int64_t D, int shift, const float* p, int64_t ld,
+                              int64_t g0, int64_t L, float* out) {
+  constexpr int P = 8 / W, PJ = P < 2 ? P : 2;
+  constexpr int MASK = (1 << W) - 1;
+  const int64_t n = D / P;
+  const float* p0 = p + g0 * ld;
+  for (int64_t c = 0; c < n; c += 8) {
+    for (int j0 = 0; j0 < P; j0 += PJ) {
+      v8f acc[NG][PJ];
+      for (int k = 0; k < NG; ++k)
+        for (int j = 0; j < PJ; ++j) acc[k][j] = splat(0.f);
+      for (int64_t t = 0; t < T; ++t) {
+        const v8i x = widen8(plane + t * n + c);
+        for (int j = 0; j < PJ; ++j) {
+          const v8f v = __builtin_convertvector(((x >> ((j0 + j) * W)) & MASK) << shift, v8f);
+          for (int k = 0; k < NG; ++k) acc[k][j] += splat(p0[k * ld + t]) * v;
+        }
+      }
+      for (int k = 0; k < NG; ++k)
+        for (int j = 0; j < PJ; ++j) storev(out + (g0 + k) * L + (j0 + j) * n + c, acc[k][j]);
+    }
+  }
+}
+
+// every query head, four at a time
+template <int W>
+inline void plane_value_sums(const uint8_t* plane, int64_t T, int64_t D, int shift, const float* p, int64_t ld,
+                             int64_t G, int64_t L, float* out) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: plane_value_group<W, 1>(plane, T, D, shift, p, ld, g0, L, out); break;
+      case 2: plane_value_group<W, 2>(plane, T, D, shift, p, ld, g0, L, out); break;
+      case 3: plane_value_group<W, 3>(plane, T, D, shift, p, ld, g0, L, out); break;
+      default: plane_value_group<W, 4>(plane, T, D, shift, p, ld, g0, L, out); break;
+    }
+  }
+}
+
+// out[g * L + x] = sum_t p[g * ld + t] * codes[t][x] over all T rows of a [T, D] code section (plane order)
+template <int BITS>
+inline void packed_value_sums(const uint8_t* sec, int64_t T, int64_t D, const float* p, int64_t ld, int64_t G,
+                              float* out) {
+  const int64_t L = Planes<BITS>::N * D;
+  const uint8_t* plane = sec;
+  for (int k = 0; k < Planes<BITS>::N; ++k) {
+    const int w = Planes<BITS>::W[k], shift = Planes<BITS>::SHIFT[k];
+    if (w == 8) plane_value_sums<8>(plane, T, D, shift, p, ld, G, L, out + k * D);
+    else if (w == 4) plane_value_sums<4>(plane, T, D, shift, p, ld, G, L, out + k * D);
+    else if (w == 2) plane_value_sums<2>(plane, T, D, shift, p, ld, G, L, out + k * D);
+    else plane_value_sums<1>(plane, T, D, shift, p, ld, G, L, out + k * D);
+    plane += T * D * w / 8;
+  }
+}
+
+inline void packed_value_sums_any(int64_t bits, const uint8_t* sec, int64_t T, int64_t D, const float* p, int64_t ld,
+                                  int64_t G, float* out) {
+  switch (bits) {
+    case 2: packed_value_sums<2>(sec, T, D, p, ld, G, out); break;
+    case 3: packed_value_sums<3>(sec, T, D, p, ld, G, out); break;
+    case 4: packed_value_sums<4>(sec, T, D, p, ld, G, out); break;
+    default: packed_value_sums<8>(sec, T, D, p, ld, G, out); break;
+  }
+}
+
 // row of D elements (f32, f16 or bf16) to floats; D is a multiple of 8
 inline void load_row(const void* src, int64_t dtype, int64_t D, float* dst) {
   if (dtype == 0) {
@@ -318,11 +397,8 @@ inline void load_row(const void* src, int64_t dtype, int64_t D, float* dst) {
       std::memcpy(&x, h + d, 16);
       storev(dst + d, (v8f)(__builtin_convertvector(x, v8i) << 16));
     } else {
-#if defined(__F16C__) && defined(__FLT16_MAX__)
-      typedef _Float16 v8h __attribute__((vector_size(16)));
-      v8h x;
-      std::memcpy(&x, h + d, 16);
-      storev(dst + d, __builtin_convertvector(x, v8f));
+#if defined(__F16C__)
+      storev(dst + d, half8(h + d));
 #else
       for (int k = 0; k < 8; ++k) dst[d + k] = half_to_float(h[d + k]);
 #endif
