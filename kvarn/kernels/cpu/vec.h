@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -270,29 +271,28 @@ inline void packed_scores(const uint8_t* sec, int64_t T, int64_t D, const float*
   }
 }
 
-template <int BITS>
-inline void packed_scores_all(const uint8_t* sec, int64_t T, int64_t D, const float* qs, int64_t L, int64_t G, float* s,
-                              v8f* red) {
+// f(std::integral_constant<int, NG>, g0) for the query heads g0..g0+NG-1, four at a time
+template <class F>
+inline void head_groups(int64_t G, F&& f) {
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     switch (std::min<int64_t>(4, G - g0)) {
-      case 1: packed_scores<BITS, 1>(sec, T, D, qs, L, g0, s, T, red); break;
-      case 2: packed_scores<BITS, 2>(sec, T, D, qs, L, g0, s, T, red); break;
-      case 3: packed_scores<BITS, 3>(sec, T, D, qs, L, g0, s, T, red); break;
-      default: packed_scores<BITS, 4>(sec, T, D, qs, L, g0, s, T, red); break;
+      case 1: f(std::integral_constant<int, 1>{}, g0); break;
+      case 2: f(std::integral_constant<int, 2>{}, g0); break;
+      case 3: f(std::integral_constant<int, 3>{}, g0); break;
+      default: f(std::integral_constant<int, 4>{}, g0); break;
     }
   }
 }
 
+template <int BITS>
+inline void packed_scores_all(const uint8_t* sec, int64_t T, int64_t D, const float* qs, int64_t L, int64_t G, float* s,
+                              v8f* red) {
+  head_groups(G, [&](auto ng, int64_t g0) { packed_scores<BITS, decltype(ng)::value>(sec, T, D, qs, L, g0, s, T, red); });
+}
+
 inline void key_scores_all(const float* rows, const float* qs, int64_t R, int64_t L, int64_t G, float* s, int64_t ld,
                            v8f* red) {
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    switch (std::min<int64_t>(4, G - g0)) {
-      case 1: key_scores<1>(rows, qs, R, L, g0, s, ld, red); break;
-      case 2: key_scores<2>(rows, qs, R, L, g0, s, ld, red); break;
-      case 3: key_scores<3>(rows, qs, R, L, g0, s, ld, red); break;
-      default: key_scores<4>(rows, qs, R, L, g0, s, ld, red); break;
-    }
-  }
+  head_groups(G, [&](auto ng, int64_t g0) { key_scores<decltype(ng)::value>(rows, qs, R, L, g0, s, ld, red); });
 }
 
 // tmp[g][x] += sum_t p[g * ld + t] * rows[t][x], t < R, for every query head; 64 columns at a time in registers
@@ -347,14 +347,9 @@ inline void plane_value_group(const uint8_t* plane, int64_t T, int64_t D, int sh
 template <int W>
 inline void plane_value_sums(const uint8_t* plane, int64_t T, int64_t D, int shift, const float* p, int64_t ld,
                              int64_t G, int64_t L, float* out) {
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    switch (std::min<int64_t>(4, G - g0)) {
-      case 1: plane_value_group<W, 1>(plane, T, D, shift, p, ld, g0, L, out); break;
-      case 2: plane_value_group<W, 2>(plane, T, D, shift, p, ld, g0, L, out); break;
-      case 3: plane_value_group<W, 3>(plane, T, D, shift, p, ld, g0, L, out); break;
-      default: plane_value_group<W, 4>(plane, T, D, shift, p, ld, g0, L, out); break;
-    }
-  }
+  head_groups(G, [&](auto ng, int64_t g0) {
+    plane_value_group<W, decltype(ng)::value>(plane, T, D, shift, p, ld, g0, L, out);
+  });
 }
 
 // out[g * L + x] = sum_t p[g * ld + t] * codes[t][x] over all T rows of a [T, D] code section (plane order)
