@@ -51,60 +51,57 @@ from kvarn.vllm.step import StepTensors
 logger = logging.getLogger("kvarn.vllm")
 
 
-class KvarnAttentionBackend(AttentionBackend):
-    """Selected by the plugin whenever ``kv_cache_dtype`` is a kvarn preset name."""
+class PackedTileBackend(AttentionBackend):
+    """What both kvarn backends (:class:`KvarnAttentionBackend` and
+    :class:`kvarn.vllm.mla.KvarnMLABackend`) answer vLLM alike: their name and classes (the class
+    attributes below), kvarn presets as their cache dtypes, one vLLM block per tile and a page of one
+    tile's record (:meth:`record_bytes`)."""
 
-    accept_output_buffer: bool = True
-    forward_includes_kv_cache_update: bool = True
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    backend_name: ClassVar[str]
+    impl_cls: ClassVar[type[Any]]
+    builder_cls: ClassVar[type[Any]]
+    block_multiple: ClassVar[int]  # the block sizes offered for a spec that is not packed yet: multiples of this
 
-    @staticmethod
-    def get_name() -> str:
-        return "KVARN"
+    @classmethod
+    def get_name(cls) -> str:
+        return cls.backend_name
 
-    @staticmethod
-    def get_impl_cls() -> type[KvarnAttentionImpl]:
-        return KvarnAttentionImpl
+    @classmethod
+    def get_impl_cls(cls) -> type[Any]:
+        return cls.impl_cls
 
-    @staticmethod
-    def get_builder_cls() -> type[KvarnMetadataBuilder]:
-        return KvarnMetadataBuilder
+    @classmethod
+    def get_builder_cls(cls) -> type[Any]:
+        return cls.builder_cls
 
     @classmethod
     def supports_kv_cache_dtype(cls, kv_cache_dtype: Any) -> bool:
         return is_kvarn_dtype(kv_cache_dtype)
 
     @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return list(ALLOWED_HEAD_DIMS)
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+    def get_supported_kernel_block_sizes(cls, kv_cache_spec: Any = None) -> list[int | MultipleOf]:
         tps = getattr(kv_cache_spec, "tokens_per_state", 1)
         if isinstance(tps, int) and tps > 1:
-            return [kv_cache_spec.tokens_per_state]  # one block = one tile, never split
-        return [MultipleOf(32)]
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.LBHNC,)
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
+            return [tps]  # one block = one tile, never split
+        return [MultipleOf(cls.block_multiple)]
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """One state per block per KV head: the packed record (``tile_bytes``) of one tile.
+        """One state per block per KV head: the record of one tile (:meth:`record_bytes`).
 
         A layer's own spec arrives here already packed (:meth:`KvarnAttentionImpl.layer_spec`, through
-        :func:`kvarn.vllm.patches.patch_attention_kv_cache_spec`) and is kept;
-        a spec of no particular layer gets the widest layer's page.
+        :func:`kvarn.vllm.patches.patch_attention_kv_cache_spec`) and is kept; a spec of no particular
+        layer gets :meth:`record_bytes`.
         """
         if spec.state_content_bytes is not None:
             return spec
         ctx = current_context()
-        return packed_spec(spec, ctx.scheme, page_bytes(ctx.scheme, spec.head_size, ctx.num_layers))
+        return packed_spec(spec, ctx.scheme, cls.record_bytes(ctx, spec))
+
+    @classmethod
+    def record_bytes(cls, ctx: EngineContext, spec: AttentionSpec) -> int:
+        """Bytes of the page of a spec of no particular layer."""
+        raise NotImplementedError
 
 
 class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
@@ -224,6 +221,35 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         pages = kv_cache[:, :, 0, :]
         run_layer(query, key, value, pages, self.stage, self.sink, attn_metadata, scheme, self.scale, out, self.ops)
         return output
+
+
+class KvarnAttentionBackend(PackedTileBackend):
+    """Selected by the plugin whenever ``kv_cache_dtype`` is a kvarn preset name."""
+
+    backend_name = "KVARN"
+    impl_cls = KvarnAttentionImpl
+    builder_cls = KvarnMetadataBuilder
+    block_multiple = 32
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(ALLOWED_HEAD_DIMS)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def record_bytes(cls, ctx: EngineContext, spec: AttentionSpec) -> int:
+        """The widest layer's page."""
+        return page_bytes(ctx.scheme, spec.head_size, ctx.num_layers)
 
 
 def _smallest_block(backend: Any) -> int:

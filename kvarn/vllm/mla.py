@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.v1.attention.backend import CommonAttentionMetadata, MultipleOf
+from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 from vllm.v1.kv_cache_interface import AttentionSpec
 
@@ -38,11 +38,10 @@ from vllm.model_executor.layers.attention.mla_attention import (  # isort: skip
 )
 
 from kvarn.codec.latent import dequantize_latent, latent_tile_bytes, quantize_latent, rope_dtype
-from kvarn.vllm.context import EngineContext, context_of, current_context
+from kvarn.vllm.backend import PackedTileBackend
+from kvarn.vllm.context import EngineContext, context_of
 from kvarn.vllm.forward import gather_full_tiles, write_rows
-from kvarn.vllm.pages import packed_spec
 from kvarn.vllm.planner import Planner, shared_planner
-from kvarn.vllm.registry import is_kvarn_dtype
 from kvarn.vllm.step import StepTensors, Writes
 
 
@@ -123,49 +122,6 @@ def _record_bytes(ctx: EngineContext) -> int:
         raise RuntimeError(f"kvarn {ctx.name}: the model has no MLA layers")
     latent, rope = ctx.latent
     return latent_tile_bytes(ctx.scheme, latent, rope)
-
-
-class KvarnMLABackend(CPUMLABackend):
-    """Selected by the plugin for MLA models on the CPU when ``kv_cache_dtype`` is a kvarn preset."""
-
-    @staticmethod
-    def get_name() -> str:
-        return "KVARN_MLA"
-
-    @staticmethod
-    def get_impl_cls() -> type[KvarnMLAImpl]:
-        return KvarnMLAImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[KvarnMLAMetadataBuilder]:
-        return KvarnMLAMetadataBuilder
-
-    @classmethod
-    def supports_kv_cache_dtype(cls, kv_cache_dtype: Any) -> bool:
-        return is_kvarn_dtype(kv_cache_dtype)
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return []  # any latent + RoPE width; the plugin checks the latent is a multiple of 128
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
-        tps = getattr(kv_cache_spec, "tokens_per_state", 1)
-        if isinstance(tps, int) and tps > 1:
-            return [tps]  # one block = one tile, never split
-        return [MultipleOf(16)]
-
-    @classmethod
-    def supports_block_size(cls, block_size: int | None) -> bool:
-        return block_size is None or block_size % 16 == 0
-
-    @classmethod
-    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """One state per block: the record of one tile (:func:`kvarn.codec.latent.latent_tile_bytes`)."""
-        if spec.state_content_bytes is not None:
-            return spec
-        ctx = current_context()
-        return packed_spec(spec, ctx.scheme, _record_bytes(ctx))
 
 
 class KvarnMLAImpl(CPUMLAImpl):
@@ -251,3 +207,25 @@ class KvarnMLAImpl(CPUMLAImpl):
         probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1).nan_to_num(0.0)  # warm-up rows
         out = torch.einsum("bhn,bnl->bhl", probs, keys[..., : self.kv_lora_rank])
         return out.to(q.dtype), None
+
+
+class KvarnMLABackend(PackedTileBackend, CPUMLABackend):
+    """Selected by the plugin for MLA models on the CPU when ``kv_cache_dtype`` is a kvarn preset."""
+
+    backend_name = "KVARN_MLA"
+    impl_cls = KvarnMLAImpl
+    builder_cls = KvarnMLAMetadataBuilder
+    block_multiple = 16
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any latent + RoPE width; the plugin checks the latent is a multiple of 128
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        return block_size is None or block_size % 16 == 0
+
+    @classmethod
+    def record_bytes(cls, ctx: EngineContext, spec: AttentionSpec) -> int:
+        """The record of one tile at the MLA layers' widths (:func:`kvarn.codec.latent.latent_tile_bytes`)."""
+        return _record_bytes(ctx)
