@@ -158,14 +158,19 @@ def load_preset(path: str | os.PathLike[str]) -> Preset:
     """Read one preset YAML file. Raises :class:`PresetError` (file, field, value, allowed values)."""
     p = str(path)
     try:
-        conf = OmegaConf.load(p)
+        with open(p, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
     except FileNotFoundError:
         raise PresetError(f"{p}: no such preset file") from None
-    except (OmegaConfBaseException, yaml.YAMLError, ValueError, OSError) as e:
+    except (yaml.YAMLError, ValueError, OSError) as e:
         raise _fail(p, f"not valid YAML: {e}") from None
-    data = OmegaConf.to_container(conf, resolve=True)
-    if not isinstance(data, dict):
-        raise _fail(p, "a preset must be a YAML mapping")
+    if not isinstance(raw, dict):
+        raise _fail(p, f"a preset must be a YAML mapping, got {type(raw).__name__} {raw!r:.80}")
+    try:
+        data = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
+    except (OmegaConfBaseException, ValueError) as e:
+        raise _fail(p, f"not a valid preset mapping: {e}") from None
+    assert isinstance(data, dict)
     return preset_from_dict({str(k): v for k, v in data.items()}, p)
 
 

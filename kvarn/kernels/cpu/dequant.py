@@ -15,7 +15,14 @@ from __future__ import annotations
 import torch
 
 from kvarn.codec.tiles import dequantize_tiles
-from kvarn.kernels._checks import log8_table
+from kvarn.kernels._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    KernelArgumentError,
+    check_scheme,
+    check_tensor,
+    log8_table,
+)
 from kvarn.kernels.cpu import native
 from kvarn.kernels.cpu._checks import CPU
 from kvarn.schemes.scheme import Scheme
@@ -31,29 +38,50 @@ def dequantize_blocks(
     Args:
         cache: ``[num_blocks, H, >= tile_bytes]`` uint8 pages, the record of block ``b``, head ``h``
             in ``cache[b, h, :tile_bytes]``.
-        blocks: ``[U]`` int64 block ids, each in ``0..num_blocks-1`` (the caller's, not checked
-            again here).
+        blocks: ``[U]`` int32/int64 block ids, each in ``0..num_blocks-1``.
         scheme: a scheme without per-layer overrides.
         head_dim: D.
         dtype: of the result.
+
+    Raises:
+        KernelArgumentError: an argument of another shape or dtype, or a block id out of range
+            (checked on the host before anything is read), named in the message.
     """
+    _check(cache, blocks, scheme, head_dim, dtype)
     u, h, t, d = blocks.shape[0], cache.shape[1], scheme.group_size, head_dim
     ext = native.extension()
+    if not u:
+        empty = torch.empty(h, 0, t, d, dtype=dtype)
+        return empty, empty.clone()
     if ext is None or cache.stride(2) != 1:
         nb = scheme.tile_bytes(d)
         dk, dv = dequantize_tiles(cache[blocks, :, :nb].reshape(u * h, nb), scheme, d, dtype=dtype)
         return dk.view(u, h, t, d).transpose(0, 1).contiguous(), dv.view(u, h, t, d).transpose(0, 1).contiguous()
     out_k = torch.empty(h, u, t, d, dtype=dtype)
     out_v = torch.empty(h, u, t, d, dtype=dtype)
-    if u:
-        ext.dequant(
-            cache,
-            blocks.to(torch.int64).contiguous(),
-            log8_table(CPU),
-            native.store_record(scheme, d),
-            *native.rotation_args(scheme, d),
-            out_k,
-            out_v,
-            torch.get_num_threads(),
-        )
+    ext.dequant(
+        cache,
+        blocks.to(torch.int64).contiguous(),
+        log8_table(CPU),
+        native.store_record(scheme, d),
+        *native.rotation_args(scheme, d),
+        out_k,
+        out_v,
+        torch.get_num_threads(),
+    )
     return out_k, out_v
+
+
+def _check(cache: torch.Tensor, blocks: torch.Tensor, scheme: Scheme, head_dim: int, dtype: torch.dtype) -> None:
+    nb = check_scheme(scheme, head_dim)
+    check_tensor("cache", cache, (None, None, None), (torch.uint8,), CPU, inner_contiguous=False)
+    if cache.shape[2] < nb:
+        raise KernelArgumentError(
+            f"cache holds {cache.shape[2]} bytes per record; scheme {scheme.name} at head_dim {head_dim} needs {nb}"
+        )
+    check_tensor("blocks", blocks, (None,), INDEX_DTYPES, CPU, inner_contiguous=False)
+    if dtype not in FLOAT_DTYPES:
+        raise KernelArgumentError(f"dtype={dtype} is not supported; allowed: {', '.join(map(str, FLOAT_DTYPES))}")
+    if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) >= cache.shape[0]):
+        bad = blocks[(blocks < 0) | (blocks >= cache.shape[0])]
+        raise KernelArgumentError(f"blocks must be block ids in 0..{cache.shape[0] - 1}, got {bad[:8].tolist()}")

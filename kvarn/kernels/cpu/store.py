@@ -71,6 +71,9 @@ def store_tiles(
     ids = block_ids.to(torch.int64).contiguous()
     if int(ids.min()) < 0 or int(ids.max()) >= cache.shape[0]:
         raise KernelArgumentError(f"block_ids must be block ids in 0..{cache.shape[0] - 1}, got {block_ids.tolist()}")
+    ordered = ids.sort().values
+    if bool((ordered[1:] == ordered[:-1]).any()):  # two tiles into one record: the store's tasks would race
+        raise KernelArgumentError(f"block_ids must be distinct, got {block_ids.tolist()}")
     if check_finite:
         refuse_non_finite(keys, values)
     ext = native.extension() if impl != "reference" else None
