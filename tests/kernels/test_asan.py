@@ -1,0 +1,42 @@
+"""The CPU kernels' fuzz cases under AddressSanitizer (``tools/asan.py``): an out-of-bounds read or
+write anywhere in the native extension fails this test with ASan's report."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvarn.models import default_cache_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "asan.py"
+
+
+def _libasan() -> str | None:
+    spec = importlib.util.spec_from_file_location("kvarn_tools_asan", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found: str | None = module.libasan()
+    return found
+
+
+LIBASAN = _libasan()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(LIBASAN is None, reason="no g++ with libasan.so: the ASan build cannot be made")
+def test_kernel_fuzz_cases_run_clean_under_address_sanitizer() -> None:
+    build_dir = default_cache_dir() / "torch_extensions" / "kvarn_cpu_asan"  # ninja rebuilds what changed
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVARN_FUZZ_PROFILE": "ci"}
+    cmd = [sys.executable, str(TOOL), "--build-dir", str(build_dir), "-q"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    text = out.stdout + out.stderr
+    assert "AddressSanitizer" not in text, text[-6000:]
+    assert out.returncode == 0, text[-6000:]
+    assert " passed" in out.stdout and "failed" not in out.stdout, out.stdout[-3000:]
