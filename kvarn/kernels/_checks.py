@@ -139,14 +139,14 @@ def check_prefill(
     cu_seqlens_q: torch.Tensor,
     ctx: PagedContext,
     device: torch.device,
-) -> tuple[int, int]:
-    """Check prefill's new tokens (:func:`check_new_tokens`), the pages (:func:`check_pages`) and
-    that ``key`` has the cache's KV heads; returns ``(B, Hkv)``."""
+) -> int:
+    """Check prefill's new tokens (:func:`check_new_tokens`) and that ``key`` has the KV heads of
+    ``ctx.cache``; returns ``B``. The rest of ``ctx`` is each backend's to check."""
     bsz = check_new_tokens(query, key, value, cu_seqlens_q, device)
-    hkv = check_pages(ctx, bsz, query.shape[1], query.shape[2], device)
-    if key.shape[1] != hkv:
-        raise KernelArgumentError(f"key has {key.shape[1]} KV heads, cache {hkv}")
-    return bsz, hkv
+    cache = ctx.cache
+    if cache.dim() == 3 and key.shape[1] != cache.shape[1]:
+        raise KernelArgumentError(f"key has {key.shape[1]} KV heads, cache {cache.shape[1]}")
+    return bsz
 
 
 def output_buffer(

@@ -88,7 +88,7 @@ def prefill_attention(
     Returns:
         ``[N, Hq, D]`` in ``query``'s dtype (``out`` when given).
     """
-    bsz, _ = check_prefill(query, key, value, cu_seqlens_q, ctx, CPU)
+    bsz = check_prefill(query, key, value, cu_seqlens_q, ctx, CPU)
     total, hq, d = query.shape
     if bsz and (int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != total or bool((cu_seqlens_q.diff() < 0).any())):
         raise KernelArgumentError(f"cu_seqlens_q must rise from 0 to {total}, got {cu_seqlens_q.tolist()}")

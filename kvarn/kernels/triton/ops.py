@@ -261,9 +261,10 @@ def prefill_attention(
         ``[total_q, num_q_heads, D]`` in ``query``'s dtype.
     """
     dev = query.device
-    bsz, hkv = check_prefill(query, key, value, cu_seqlens_q, ctx, dev)
+    bsz = check_prefill(query, key, value, cu_seqlens_q, ctx, dev)
     total, hq, d = query.shape
     scheme = ctx.scheme
+    hkv = check_pages(ctx, bsz, hq, d, dev)
     if key.stride() != value.stride():
         raise KernelArgumentError(f"key and value must have the same strides, got {key.stride()} and {value.stride()}")
     _check_apart(ctx.cache, hkv)
