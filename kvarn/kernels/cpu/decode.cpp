@@ -6,7 +6,7 @@
 // exact rows (sink, tail) with the unrotated query. A second parallel loop merges the partial
 // softmax states in a fixed order, un-rotates the tile part and writes the output in the query's dtype.
 #include "kernels.h"
-#include "vec.h"
+#include "attend.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif

@@ -32,7 +32,7 @@ from kvarn.schemes.scheme import Scheme
 log = logging.getLogger(__name__)
 
 SOURCES = ("bind.cpp", "decode.cpp", "dequant.cpp", "store.cpp")
-HEADERS = ("half.h", "kernels.h", "vec.h")
+HEADERS = ("attend.h", "half.h", "kernels.h", "vec.h")
 FLAGS = ("-O3", "-fopenmp")
 NATIVE_FLAGS = ("-march=native",)  # retried without when the compiler refuses it
 
