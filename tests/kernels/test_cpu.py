@@ -25,7 +25,7 @@ from ._reference import PagedBatch, assert_store_refusals, attention, paged_batc
 MIN_SQNR_DB = 60.0
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_cpu_serving.py"
 HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
-# every decode case runs through both paths: the native kernel (where it builds) and vectorized torch
+# every decode case runs through both paths: the native kernel (where it builds) and the torch path
 IMPLS = ["torch", "native"] if HAS_COMPILER else ["torch"]
 
 

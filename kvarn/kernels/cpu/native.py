@@ -6,7 +6,7 @@ C++ compiler) with ``-O3 -march=native`` and OpenMP, retried without ``-march=na
 compiler refuses it, into ``torch_extensions/<name>`` under kvarn's cache directory; the name is
 keyed by the sources, the flags and the CPU, so a build is reused until one of them changes.
 ``python -m kvarn.kernels.cpu.native`` builds it ahead of time. Without a compiler, or if the
-build fails, :func:`extension` returns None (logged once) and the ops take the vectorized torch
+build fails, :func:`extension` returns None (logged once) and the ops take the torch
 path.
 """
 
