@@ -195,7 +195,7 @@ def _config(args: argparse.Namespace) -> TuneConfig | str:
     try:
         budget = parse_budget(args.budget)
     except BudgetError as e:
-        return str(e)
+        return f"--budget: {e}"
     if budget.metric == "ppl" and budget.limit > MAX_PPL_BUDGET:
         return (
             f"--budget {args.budget!r}: a perplexity budget is an increase in percent above 0% and at most "

@@ -110,8 +110,8 @@ TUNE_FLAGS = _options(tune_cli.build_parser())
 
 def _names_one_of(message: str, args: list[str]) -> bool:
     """Whether ``message`` names a flag or value of ``args`` (or the whole of an ``--x=v`` item)."""
-    words = {w for a in args for w in (a, *a.split("=", 1)) if w.strip()}
-    return any(w in message for w in words) or any(repr(w) in message for w in words)
+    words = {w for a in args for w in (a, *a.split("=", 1))}
+    return any(w.strip() and w in message for w in words) or any(repr(w) in message for w in words)
 
 
 def _parse(parse: Callable[[list[str]], Any], args: list[str]) -> Any:
