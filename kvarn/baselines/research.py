@@ -18,13 +18,15 @@ Figures and commands: docs/accuracy.md, "Below 3 bits".
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from kvarn.baselines.base import Baseline, to_fp16
 from kvarn.codec import dequantize_tiles, quantize_tiles
+from kvarn.codec.metric import LayerMetric, apply
+from kvarn.codec.rotation import rotate, unrotate
 from kvarn.codec.vq import VQSide
 from kvarn.schemes import Scheme
 
@@ -79,6 +81,48 @@ class ExactSide:
 
     def roundtrip(self, x: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         return x
+
+
+@dataclass(frozen=True)
+class RotatedSparseSide:
+    """``inner`` after ``outliers`` entries of each tile, farthest from their slice's mean in the
+    Hadamard-rotated domain (where the reference codec rounds), were taken out and kept as float16
+    with their positions (``16 + log2(T x D)`` bits each)."""
+
+    inner: KvarnSide | VQSide = KvarnSide(2)
+    outliers: int = 0
+
+    def bits_per_element(self, head_dim: int, tokens: int) -> float:
+        per_outlier = 16 + math.ceil(math.log2(tokens * head_dim))
+        return self.inner.bits_per_element(head_dim, tokens) + self.outliers * per_outlier / (tokens * head_dim)
+
+    def roundtrip(self, x: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        b, h, t, d = x.shape
+        y = rotate(x, "hadamard").reshape(-1, t, d)
+        mask = _outlier_mask(y, self.outliers, self.inner.per_channel)
+        axis = 1 if self.inner.per_channel else 2
+        filled = torch.where(mask, y.mean(dim=axis, keepdim=True).expand_as(y), y)
+        dec = rotate(self.inner.roundtrip(unrotate(filled, "hadamard").reshape(x.shape), layer), "hadamard")
+        out = torch.where(mask, to_fp16(y), dec.reshape(y.shape))
+        return unrotate(out, "hadamard").reshape(x.shape)
+
+
+@dataclass(frozen=True)
+class MetricSide:
+    """``inner`` applied to ``x A`` of the layer's :class:`kvarn.codec.metric.LayerMetric`, mapped back
+    with ``A^-1``: the same bytes as ``inner``, the squared error weighted by the metric."""
+
+    inner: SideCodec = ExactSide()
+    metrics: tuple[LayerMetric, ...] = field(default=(), repr=False)
+
+    def bits_per_element(self, head_dim: int, tokens: int) -> float:
+        return self.inner.bits_per_element(head_dim, tokens)
+
+    def roundtrip(self, x: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        if layer is None or not 0 <= layer < len(self.metrics):
+            raise ValueError(f"a metric side needs the attention layer index (0..{len(self.metrics) - 1}), got {layer}")
+        m = self.metrics[layer]
+        return apply(self.inner.roundtrip(apply(x, m.transform), layer), m.inverse)
 
 
 def _keep_exact(
@@ -205,6 +249,9 @@ ERROR_SPLITS: dict[str, SplitBaseline] = {
         _split("k3v2s8_values_exact", KvarnSide(3, per_channel=True), ExactSide()),
         _split("vq_v2_keys_exact", ExactSide(), VQSide(2, dim=4)),
         _split("vq_v2u_keys_exact", ExactSide(), VQSide(2, dim=4, unbiased=True)),
+        _split("rs_v2_o32_keys_exact", ExactSide(), RotatedSparseSide(KvarnSide(2), 32)),
+        _split("rs_v2_o128_keys_exact", ExactSide(), RotatedSparseSide(KvarnSide(2), 128)),
+        _split("rsvq_v2_o128_keys_exact", ExactSide(), RotatedSparseSide(VQSide(2, dim=4), 128)),
     )
 }
 
@@ -213,6 +260,11 @@ RESEARCH: tuple[Baseline, ...] = (
     _split("vq_k3v2", VQSide(3, per_channel=True, dim=2), VQSide(2, dim=4)),
     # the same, reconstructions scaled to be unbiased (the centroids shrink towards 0)
     _split("vq_k3v2_u", VQSide(3, per_channel=True, dim=2, unbiased=True), VQSide(2, dim=4, unbiased=True)),
+    # mixed: the reference codec's 3-bit keys (log8) with vq_k3v2's values, the same bits again
+    _split("k3s8_vqv2", KvarnSide(3, per_channel=True), VQSide(2, dim=4)),
+    # the same bits spent the other way: 4-bit keys, values at 1 bit per number (8-dim, 256 centroids)
+    _split("k4s8_vqv1", KvarnSide(4, per_channel=True), VQSide(1, dim=8)),
+    _split("k4s8_vqv1_u", KvarnSide(4, per_channel=True), VQSide(1, dim=8, unbiased=True)),
     # dense-and-sparse at kvarn_k3v2_g128_s8's bits: 2-bit tiles, 282 float16 outliers per tile
     DenseSparseBaseline("ds_k2v2_o192v90", commit_tokens=TILE, window=0, key_outliers=192, value_outliers=90),
     # dense-and-sparse over tokens at the same bits: kvarn k2v2 (log8) + the 4 worst tokens of each tile

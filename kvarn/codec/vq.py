@@ -128,8 +128,9 @@ class VQSide:
         return self.bits + 8.0 * (2 * slices + other) / (tokens * head_dim)
 
     def roundtrip(self, x: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-        """Quantize then dequantize tiles ``x`` ``[N, T, D]`` float32."""
-        y = rotate(x, self.rotation)
+        """Quantize then dequantize tiles ``x`` ``[..., T, D]`` float32 (every leading index one tile)."""
+        y = rotate(x, self.rotation).reshape(-1, *x.shape[-2:])
         mean, scale, factor = normalize_two_sided(y, self.per_channel)
         z = (y - mean) / (scale * factor)
-        return unrotate(mean + scale * factor * vq_round(z, self.dim, self.bits, self.unbiased), self.rotation)
+        out = mean + scale * factor * vq_round(z, self.dim, self.bits, self.unbiased)
+        return unrotate(out, self.rotation).reshape(x.shape)

@@ -6,8 +6,18 @@ import pytest
 import torch
 
 from kvarn.baselines import get_baseline
-from kvarn.baselines.research import ERROR_SPLITS, TILE, DenseSparseBaseline, ExactSide, KvarnSide, SplitBaseline
+from kvarn.baselines.base import to_fp16
+from kvarn.baselines.research import (
+    ERROR_SPLITS,
+    TILE,
+    DenseSparseBaseline,
+    ExactSide,
+    KvarnSide,
+    MetricSide,
+    SplitBaseline,
+)
 from kvarn.codec.lowrank import LowRankKeys, allocate_bits, fit_basis
+from kvarn.codec.metric import sqrt_metric
 from kvarn.codec.vq import VQSide, gaussian_codebook, vq_round
 from kvarn.schemes import Scheme
 
@@ -104,3 +114,41 @@ def test_lowrank_keys_roundtrip() -> None:
     assert codec.bits_per_element(D, TILE) == pytest.approx(200 / D + 16 / TILE)
     with pytest.raises(ValueError, match="layer index"):
         codec.roundtrip(k[:, :, :TILE], layer=None)
+
+
+def test_sqrt_metric_inverse_and_weighting() -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 200, D, generator=g)
+    gram = w.transpose(1, 2) @ w
+    m = sqrt_metric(gram)
+    eye = torch.eye(D).expand(2, D, D)
+    assert torch.allclose(m.transform @ m.inverse, eye, atol=1e-3)
+    assert torch.allclose(torch.linalg.det(m.transform.double()), torch.ones(2, dtype=torch.float64), atol=1e-3)
+    assert torch.allclose(sqrt_metric(torch.eye(D).expand(2, D, D).clone()).transform, eye, atol=1e-5)
+    x, _ = _kv()
+    side = MetricSide(ExactSide(), (m,))
+    assert torch.allclose(side.roundtrip(x, layer=0), x, atol=1e-3)
+    assert MetricSide(KvarnSide(2), (m,)).bits_per_element(D, TILE) == KvarnSide(2).bits_per_element(D, TILE)
+    with pytest.raises(ValueError, match="layer index"):
+        side.roundtrip(x, layer=None)
+
+
+def test_outlier_tokens_exact_and_bits() -> None:
+    b = get_baseline("ds_k2v2_t4")
+    k, v = _kv()
+    k[0, 1, 40] *= 30.0  # one far-off token: reconstructed worst, so kept
+    kq, vq = b.roundtrip(k, v, {"exact_done": True})
+    assert torch.equal(kq[0, 1, 40], to_fp16(k[0, 1, 40])) and torch.equal(vq[0, 1, 40], to_fp16(v[0, 1, 40]))
+    kept = (kq == to_fp16(k)).all(dim=-1) & (vq == to_fp16(v)).all(dim=-1)
+    assert int(kept.sum()) == 4 * k.shape[1]
+    base = Scheme(2, 2, TILE, scale_dtype="log8", sink_tokens=0).bits_per_element(D)
+    assert b.bits_per_element(D) == pytest.approx(base + 4 * (2 * D * 16 + 7) / (2 * TILE * D))
+
+
+def test_vq_side_tiles_are_independent() -> None:
+    """Every leading index is one tile: a [B, H, T, D] batch equals its tiles one by one."""
+    k, _ = _kv(heads=3)
+    side = VQSide(2, dim=4)
+    whole = side.roundtrip(k)
+    for h in range(3):
+        assert torch.allclose(whole[0, h], side.roundtrip(k[0, h][None])[0], atol=1e-6)
