@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         from kvarn.kernels.cpu import native
 
         native.extension = lambda: module  # type: ignore[assignment]
-        paths = [a for a in pytest_args if not a.startswith("-")] or [str(ROOT / "tests" / "fuzz" / "test_kernels.py")]
-        options = [a for a in pytest_args if a.startswith("-")]
-        return int(pytest.main([*paths, *options, "-p", "no:cacheprovider"]))
+        given = any(Path(a.split("::")[0]).exists() for a in pytest_args)
+        default = [] if given else [str(ROOT / "tests" / "fuzz" / "test_kernels.py")]
+        return int(pytest.main([*default, *pytest_args, "-p", "no:cacheprovider"]))
 
 
 if __name__ == "__main__":

@@ -47,9 +47,14 @@ def main() -> int:
     env = {**os.environ, "KVARN_FUZZ_PROFILE": "full"}
     if args.examples:
         env["KVARN_FUZZ_EXAMPLES"] = str(args.examples)
-    tests = ["tests/fuzz/test_kernels.py"] if args.asan else ["tests/fuzz"]
-    runner = [sys.executable, "tools/asan.py"] if args.asan else [sys.executable, "-m", "pytest"]
-    cmd = [*runner, *tests, "-q", "-p", "no:cacheprovider", "--hypothesis-show-statistics"]
+    if args.asan:  # the ASan build is kept where tests/kernels/test_asan.py keeps it
+        from kvarn.models import default_cache_dir
+
+        build = default_cache_dir() / "torch_extensions" / "kvarn_cpu_asan"
+        cmd = [sys.executable, "tools/asan.py", "--build-dir", str(build), "tests/fuzz/test_kernels.py"]
+    else:
+        cmd = [sys.executable, "-m", "pytest", "tests/fuzz", "-p", "no:cacheprovider"]
+    cmd += ["-q", "--hypothesis-show-statistics"]
     if args.select:
         cmd += ["-k", args.select]
     t0 = time.perf_counter()
