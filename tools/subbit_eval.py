@@ -1,6 +1,7 @@
 """Measure issue 36's research codecs in decode mode beside kvarn presets (docs/accuracy.md, "Below 3 bits").
 
-Any name ``kvarn eval`` takes (presets, baselines such as ``vq_k3v2``), a preset's error split
+Any name ``kvarn eval`` takes, the research baselines (``kvarn.baselines.research.RESEARCH``, such
+as ``vq_k3v2``), a preset's error split
 (``k3v2s8_keys_exact``, ``k3v2s8_values_exact``: one side exact) and the calibrated low-rank
 keys ``lowrank<B>`` (keys: ``B`` code bits per key vector in a per-layer PCA basis fitted on
 ``--calib-text``; values: the reference codec's 2-bit side, log8; ``lowrank<B>_vq``: values by
@@ -28,7 +29,7 @@ from transformers.models.llama import modeling_llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first
 
-from kvarn.baselines.research import ERROR_SPLITS, TILE, ExactSide, KvarnSide, MetricSide, SplitBaseline  # noqa: E402
+from kvarn.baselines.research import ERROR_SPLITS, RESEARCH, TILE, ExactSide, KvarnSide, MetricSide, SplitBaseline  # noqa: E402
 from kvarn.codec.lowrank import KeyBasis, LowRankKeys, fit_basis  # noqa: E402
 from kvarn.codec.metric import LayerMetric, sqrt_metric  # noqa: E402
 from kvarn.codec.vq import VQSide  # noqa: E402
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     vmet: tuple[LayerMetric, ...] | None = None
     rows: list[dict[str, Any]] = []
     for name in filter(None, a.schemes.split(",")):
-        spec: Any = ERROR_SPLITS.get(name, name)
+        spec: Any = {**RESEARCH, **ERROR_SPLITS}.get(name, name)
         w = re.fullmatch(r"metric_k(\d)(w?)v(\d)(w?)", name)
         if w:
             if w.group(2) and kmet is None:

@@ -8,7 +8,6 @@ from kvarn.baselines.base import Baseline
 from kvarn.baselines.fp8 import FP8Baseline
 from kvarn.baselines.intquant import Int8Baseline
 from kvarn.baselines.kivi import KIVI_GROUP, KIVI_WINDOW, KIVIBaseline
-from kvarn.baselines.research import RESEARCH
 from kvarn.baselines.rtn import RTN_TILE, RTNBaseline
 from kvarn.baselines.turboquant import TurboQuantBaseline
 from kvarn.baselines.turboquant_vllm import TQ_BOUNDARY, TQ_PRESETS, VllmTurboQuantBaseline
@@ -37,7 +36,6 @@ BASELINES: dict[str, Baseline] = {
             for kb, vb in _RTN_BITS
         ),
         *VLLM033,
-        *RESEARCH,
     )
 }
 

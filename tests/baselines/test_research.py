@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvarn.baselines import get_baseline
 from kvarn.baselines.base import to_fp16
 from kvarn.baselines.research import (
     ERROR_SPLITS,
+    RESEARCH,
     TILE,
     DenseSparseBaseline,
     ExactSide,
@@ -46,7 +46,7 @@ def test_codebook_deterministic_and_better_than_scalar() -> None:
 
 def test_vq_side_bits_match_reference_codec_bytes() -> None:
     s = Scheme(3, 2, TILE, scale_dtype="log8")
-    vq = get_baseline("vq_k3v2")
+    vq = RESEARCH["vq_k3v2"]
     assert vq.bits_per_element(D) == pytest.approx(s.bits_per_element(D))
     assert VQSide(2).bits_per_element(D, TILE) == pytest.approx(2 + 8 * (2 * TILE + D) / (TILE * D))
 
@@ -134,7 +134,7 @@ def test_sqrt_metric_inverse_and_weighting() -> None:
 
 
 def test_outlier_tokens_exact_and_bits() -> None:
-    b = get_baseline("ds_k2v2_t4")
+    b = RESEARCH["ds_k2v2_t4"]
     k, v = _kv()
     k[0, 1, 40] *= 30.0  # one far-off token: reconstructed worst, so kept
     kq, vq = b.roundtrip(k, v, {"exact_done": True})
