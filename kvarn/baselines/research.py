@@ -57,10 +57,11 @@ class KvarnSide:
     bits: int = 2
     per_channel: bool = False
     scale_dtype: str = "log8"
+    group: int = TILE
 
     @property
     def scheme(self) -> Scheme:
-        return Scheme(self.bits, self.bits, TILE, scale_dtype=self.scale_dtype, sink_tokens=0)  # type: ignore[arg-type]
+        return Scheme(self.bits, self.bits, self.group, scale_dtype=self.scale_dtype, sink_tokens=0)  # type: ignore[arg-type]
 
     def bits_per_element(self, head_dim: int, tokens: int) -> float:
         s = self.scheme
@@ -253,6 +254,8 @@ ERROR_SPLITS: dict[str, SplitBaseline] = {
         _split("rs_v2_o128_keys_exact", ExactSide(), RotatedSparseSide(KvarnSide(2), 128)),
         _split("rsvq_v2_o128_keys_exact", ExactSide(), RotatedSparseSide(VQSide(2, dim=4), 128)),
         _split("rsvqu_v2_o128_keys_exact", ExactSide(), RotatedSparseSide(VQSide(2, dim=4, unbiased=True), 128)),
+        _split("rs_k3_o32_values_exact", RotatedSparseSide(KvarnSide(3, per_channel=True), 32), ExactSide()),
+        _split("rs_k3_o128_values_exact", RotatedSparseSide(KvarnSide(3, per_channel=True), 128), ExactSide()),
     )
 }
 
@@ -275,5 +278,14 @@ RESEARCH: dict[str, Baseline] = {
         DenseSparseBaseline("ds_k2v2_o192v90", commit_tokens=TILE, window=0, key_outliers=192, value_outliers=90),
         # dense-and-sparse over tokens at the same bits: kvarn k2v2 (log8) + the 4 worst tokens of each tile
         OutlierTokensBaseline("ds_k2v2_t4", commit_tokens=TILE, window=0, tokens=4),
+        # dense-and-sparse in the rotated domain, within 2.8 bits: 256-token tiles (fewer parameter
+        # bytes) pay for 32 key and 31 value float16 outliers per tile
+        SplitBaseline(
+            "rs_k3v2_g256_o32v31",
+            commit_tokens=2 * TILE,
+            window=0,
+            keys=RotatedSparseSide(KvarnSide(3, per_channel=True, group=2 * TILE), 32),
+            values=RotatedSparseSide(KvarnSide(2, group=2 * TILE), 31),
+        ),
     )
 }
