@@ -347,3 +347,50 @@ def test_dequantize_blocks(case: tuple[Any, ...], built: bool) -> None:
         scale = theirs.abs().amax((2, 3), keepdim=True).clamp_min(1e-30)
         atol = 1e-6 if dtype == torch.float32 else 2**-7
         torch.testing.assert_close(mine.float() / scale, theirs.to(dtype).float() / scale, rtol=0, atol=atol)
+
+
+@st.composite
+def prefill_cases(
+    draw: st.DrawFn,
+) -> tuple[DecodeCase, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str | None]:
+    """A decode case's context with 0..T+5 new tokens per sequence after it: ``(case, query [N, Hq, D],
+    key and value [N, H, D], cu_seqlens_q [B + 1] int32, broken)``; broken adds ``cu_seqlens_q`` (not
+    rising from 0 to N) to the decode case's breaks."""
+    case = draw(decode_cases())
+    bsz, hq, d = case.query.shape
+    hkv, t = case.ctx.cache.shape[1], case.scheme.group_size
+    q_lens = draw(st.lists(st.integers(0, t + 5), min_size=bsz, max_size=bsz))
+    total = sum(q_lens)
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    dtype = case.query.dtype
+    q = torch.randn(total, hq, d, generator=g).to(dtype)
+    k, v = torch.randn(total, hkv, d, generator=g).to(dtype), torch.randn(total, hkv, d, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    broken = case.broken
+    if broken is None and draw(st.integers(0, 5)) == 0:
+        assume(total > 0)
+        cu[-1] = total + draw(st.sampled_from((-total - 1, 1, 2**31 - 1 - total)))
+        broken = "cu_seqlens_q"
+    return case, q, k, v, cu, broken
+
+
+@given(prefill_cases())
+def test_prefill(drawn: tuple[Any, ...]) -> None:
+    """``prefill_attention``: causal attention of the new tokens after each sequence's context."""
+    case, q, k, v, cu, broken = drawn
+    if broken is not None:
+        with pytest.raises(KernelArgumentError, match=broken.split()[0]):
+            cpu.prefill_attention(q, k, v, cu, case.ctx)
+        return
+    out = cpu.prefill_attention(q, k, v, cu, case.ctx)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    for b in range(cu.shape[0] - 1):
+        s, e = int(cu[b]), int(cu[b + 1])
+        if s == e:
+            continue
+        kk = torch.cat([case.context_k[b], k[s:e].float().transpose(0, 1)], 1)
+        vv = torch.cat([case.context_v[b], v[s:e].float().transpose(0, 1)], 1)
+        ref = attention(q[s:e].float(), kk, vv, causal_offset=case.context_k[b].shape[1])
+        floor = 60.0 if q.dtype == torch.float32 else 40.0  # bf16 attends rounded keys; the output's rounding
+        got = sqnr_db(ref.float(), out[s:e].float())
+        assert got >= floor, (b, got)

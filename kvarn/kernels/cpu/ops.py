@@ -97,7 +97,8 @@ def prefill_attention(
     if not (bsz and total):
         return out
     q_lens = cu_seqlens_q.diff()
-    short = (q_lens > 0) & (q_lens <= SHORT_SEGMENT)
+    # a short segment is decoded token by token in its staging slot: only while it stays in one tile
+    short = (q_lens > 0) & (q_lens <= SHORT_SEGMENT) & (ctx.tail_lens.long() + q_lens <= ctx.scheme.group_size)
     decoded = _short_segments(ctx, query, key, value, cu_seqlens_q, short)
     if decoded is None or not bool(short.all()):
         attend = None if decoded is None else ~short
