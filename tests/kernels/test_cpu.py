@@ -197,6 +197,22 @@ def test_decode_sequence_without_tokens_gets_zeros() -> None:
         assert sqnr_db(attention(q[1:], pb.tail_k[1, :, :5], pb.tail_v[1, :, :5]), out[1:]) >= MIN_SQNR_DB
 
 
+def test_native_decode_gives_nan_for_a_query_head_with_nan() -> None:
+    """Softmax of NaN scores is NaN: the head with a NaN query gets a NaN row, the other heads are exact."""
+    if cpu.native.extension() is None:
+        pytest.skip("no native CPU kernel here")
+    sc = scheme("kvarn_k4v2_g32")
+    pb = paged_batch(sc, [100, 40], 1, 64)
+    q = torch.randn(2, 2, 64, generator=torch.Generator().manual_seed(3))
+    q[0, 1, 7] = float("nan")
+    ctx = PagedContext(pb.cache, pb.block_table, pb.num_tiles, pb.tail_k, pb.tail_v, pb.tail_lens, sc)
+    out = cpu.decode_attention(q, ctx, impl="native")
+    assert torch.isnan(out[0, 1]).all()
+    assert torch.isfinite(out[0, 0]).all() and torch.isfinite(out[1]).all()
+    ref = torch.cat([attention(q[b : b + 1], pb.context_k[b], pb.context_v[b]) for b in range(2)])
+    assert sqnr_db(ref[1], out[1]) >= MIN_SQNR_DB
+
+
 def test_decode_ignores_whatever_rows_past_the_tail_hold() -> None:
     """Rows of a tail slot past its length are not the request's (vLLM's scratch tiles are uninitialized
     memory): NaN there changes nothing, in every implementation."""

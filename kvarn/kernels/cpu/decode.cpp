@@ -225,7 +225,12 @@ int kvarn::decode_attention(const Args& a) {
         else for (int64_t d = 0; d < D; ++d) dst[d] += wgt * src[2 + d];
       }
       if (part[((bh * P + S) * G + g) * W] == -INFINITY) std::fill(plain.begin(), plain.end(), 0.f);
-      const float inv = denom > 0.f ? 1.f / denom : 0.f;
+      // a NaN in the query row makes every score NaN, which the running max skips: give NaN, as softmax
+      // does, unless the sequence has no token to attend (zeros)
+      bool nan_query = false;
+      if (a.num_tiles[b] > 0 || a.tail_lens[b] > 0 || sink_rows(a, b) > 0)
+        for (int64_t d = 0; d < D; ++d) nan_query |= std::isnan(load(a.q, b * a.q_sb + (h * G + g) * a.q_sh + d, a.DTYPE));
+      const float inv = nan_query ? NAN : denom > 0.f ? 1.f / denom : 0.f;
       if (a.rot) vec_mat(rot_acc.data(), a.rot_t, D, unrot.data());  // acc @ R^T
       else unrot = rot_acc;
       for (int64_t e = 0; e < D; ++e)
