@@ -15,7 +15,9 @@ tests (``assert_store_matches_reference`` in ``tests/kernels/test_cpu.py``):
 * codes equal to the reference's for >= 99.9% of elements (>= 99.5% at 8 bits);
 * in >= 90% of tile sides every factor, scale and zero point within two fp16 steps (or log8 codes);
   a side whose Sinkhorn iterates tie within rounding may pick another iterate;
-* every tile side's squared reconstruction error within 0.2% of the reference's.
+* every tile side's squared reconstruction error within 0.2% of the reference's on tiles of
+  ordinary spread; within 2% where a tile's token magnitudes span many decades (a rounding
+  difference on a dominant token: ``docs/reliability.md``, the bound the fuzz tests assert).
 
 Speed against the reference codec and the accuracy check of this tolerance: ``docs/cpu_serving.md``.
 Without the extension, ``impl="auto"`` runs the reference codec (:func:`kvarn.codec.quantize_tiles`)
