@@ -52,18 +52,16 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
   for (int64_t g = 0; g < G; ++g)
     for (int64_t x = 0; x < LK; ++x) qp[g * LK + x] = qr[g * D + kidx[x]];
   std::fill(accp, accp + G * LV, 0.f);
-  const int64_t record_bytes = a.VF + (log8 ? 1 : 2) * D;
-  if (t0 < t1) {
-    const uint8_t* first = a.cache + a.block_table[b * a.bt_sb + t0] * a.cache_sb + h * a.cache_sh;
-    for (int64_t off = 0; off < record_bytes; off += 64) __builtin_prefetch(first + off);
-  }
+  auto record = [&](int64_t i) { return a.cache + a.block_table[b * a.bt_sb + i] * a.cache_sb + h * a.cache_sh; };
+  // records are scattered: the first line of each section is fetched ahead, the hardware prefetcher
+  // follows the rest of the section
+  auto prefetch = [&](const uint8_t* r) {
+    for (int64_t off : {a.KC, a.KS, a.KO, a.KF, a.VC, a.VS, a.VO, a.VF}) __builtin_prefetch(r + off);
+  };
+  if (t0 < t1) prefetch(record(t0));
   for (int64_t i = t0; i < t1; ++i) {
-    const int64_t blk = a.block_table[b * a.bt_sb + i];
-    const uint8_t* rec = a.cache + blk * a.cache_sb + h * a.cache_sh;
-    if (i + 1 < t1) {  // records are scattered: fetch the next one while this one is computed
-      const uint8_t* next = a.cache + a.block_table[b * a.bt_sb + i + 1] * a.cache_sb + h * a.cache_sh;
-      for (int64_t off : {a.KC, a.KS, a.KO, a.KF, a.VC, a.VS, a.VO, a.VF}) __builtin_prefetch(next + off);
-    }
+    const uint8_t* rec = record(i);
+    if (i + 1 < t1) prefetch(record(i + 1));  // while this one is computed
     positives(rec + a.KS, D, log8, a.lut, w.ks.data());
     offsets(rec + a.KO, D, log8, w.ks.data(), w.ko.data());
     positives(rec + a.KF, T, log8, a.lut, w.kf.data());
