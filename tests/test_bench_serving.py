@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.fixtures import load_tool
 
-
-def _tool(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _tool("bench_serving")
+bench = load_tool("bench_serving")
 
 RESULT = {  # the fields of a `vllm bench serve --save-result` JSON that are read, plus some that are not
     "duration": 120.5, "completed": 16, "failed": 0, "total_input_tokens": 16384, "total_output_tokens": 2048,
@@ -149,6 +136,6 @@ def test_from_json_rebuilds_the_section(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_realistic_model_flops_ratio() -> None:
-    model = _tool("realistic_model")
+    model = load_tool("realistic_model")
     assert model.flops_per_kv_element(model.LLAMA_3_2_1B) == 118784
     assert model.flops_per_kv_element(model.SMOLLM2) == 18432

@@ -4,28 +4,18 @@ the table's ratios."""
 from __future__ import annotations
 
 import cProfile
-import importlib.util
-import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
+from tests.fixtures import load_tool
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tool(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-prof = _tool("profile_engine")
+prof = load_tool("profile_engine")
 
 
 @pytest.mark.parametrize(
