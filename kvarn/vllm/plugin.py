@@ -11,7 +11,9 @@ more than once, so it is idempotent). It
    :data:`kvarn.vllm.registry.SETTINGS`), through vLLM 0.33's ``register_kv_cache_dtype``
    (:mod:`kvarn.vllm.compat`) or, on 0.32, :func:`kvarn.vllm.patches.extend_cache_dtype_literal`;
 2. adds ``KVARN`` and ``KVARN_MLA`` to vLLM's attention-backend registry;
-3. installs every patch of vLLM internals (:func:`kvarn.vllm.patches.install`): attention is routed
+3. registers ``KvarnStorageConnector`` with vLLM's ``KVConnectorFactory``
+   (:mod:`kvarn.vllm.connectors`);
+4. installs every patch of vLLM internals (:func:`kvarn.vllm.patches.install`): attention is routed
    to :class:`kvarn.vllm.backend.KvarnAttentionBackend` (MLA layers on the CPU:
    :class:`kvarn.vllm.mla.KvarnMLABackend`) for a kvarn dtype only, and every ``kv_cache_dtype``
    goes through :func:`resolve_dtype` in ``EngineArgs`` (``LLM()``) and ``--kv-cache-dtype``
@@ -31,7 +33,7 @@ import logging
 import os
 
 from kvarn.schemes import BUILTINS, Scheme, UnknownSchemeError, get_preset, list_presets
-from kvarn.vllm import compat, patches
+from kvarn.vllm import compat, connectors, patches
 from kvarn.vllm.registry import DTYPES, SETTINGS, is_kvarn_dtype, vllm_dtypes
 
 logger = logging.getLogger("kvarn.vllm")
@@ -131,12 +133,13 @@ def _register_backends() -> None:
 
 
 def register() -> None:
-    """Entry point (``vllm.general_plugins``): kvarn dtypes, attention backends and patches."""
+    """Entry point (``vllm.general_plugins``): kvarn dtypes, attention backends, the connector and patches."""
     schemes = _startup_schemes()
     SETTINGS.staging_slots = os.environ.get(STAGING_SLOTS_ENV, "")
     SETTINGS.ops = os.environ.get(OPS_ENV, "")
     _add(schemes)
     _register_backends()
+    connectors.register()
     patches.install(resolve_dtype, backend=BACKEND_PATH, mla_backend=MLA_BACKEND_PATH)
     logger.debug("kvarn: registered %d KV-cache dtypes: %s", len(schemes), ", ".join(schemes))
 

@@ -1,0 +1,290 @@
+"""``KvarnStorageConnector``: vLLM's KV-connector API over kvarn pages, saving and loading whole
+tiles, tail rows and sink rows to a directory (:class:`~kvarn.vllm.connectors.store.RecordStore`).
+
+Enable it with ``kv_transfer_config={"kv_connector": "KvarnStorageConnector", "kv_role":
+"kv_both", "kv_connector_extra_config": {"storage_path": DIR}}`` (``--kv-transfer-config`` for
+``vllm serve``) and a kvarn ``kv_cache_dtype``. The plugin registers the name with vLLM's
+``KVConnectorFactory`` (:func:`kvarn.vllm.connectors.register`).
+
+* **Save**: the step that computes a request's last prompt token writes, after the forward, every
+  whole tile of its prompt not stored yet, the rows of its partial tile and its sink rows.
+* **Load**: a new request matches the longest stored prefix of its prompt (at most all tokens but
+  the last): whole tiles, then a tail of fewer than ``T`` rows; with a sink scheme only when the
+  sink rows of its first tokens are stored too. The load is asynchronous in vLLM's sense: the
+  request waits one engine step while its records are written into its blocks and its sink rows
+  into a sink slot, so that the step planning its first forward finds the slot filled
+  (:func:`~kvarn.vllm.connectors.carry.adopt_sink`) and reads every loaded token as the saving
+  engine held it.
+
+Records move byte for byte, so the loading engine reads the saving engine's KV exactly (same model,
+scheme and dtype: the store's namespace). See ``docs/connectors.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvarn.vllm.connectors import NAME
+from kvarn.vllm.connectors.carry import (
+    adopt_sink,
+    read_sink,
+    read_tail,
+    read_tiles,
+    sink_slot,
+    write_sink,
+    write_tail,
+    write_tiles,
+)
+from kvarn.vllm.connectors.store import ROOT_KEY, RecordStore, namespace, tile_keys, token_hash
+from kvarn.vllm.pools import sink_capacity
+from kvarn.vllm.registry import DTYPES
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+logger = logging.getLogger("kvarn.vllm")
+
+PATH_KEY = "storage_path"  # kv_connector_extra_config key of the store's root folder
+
+
+@dataclass
+class Transfer:
+    """One request's records to move: its ``tokens`` (the prompt saved, or the matched prefix
+    loaded), its block table ``blocks`` (tiles then lookahead blocks) and, for a load, ``start``:
+    tokens it already holds (a local prefix-cache hit, whole tiles) that are not written."""
+
+    req_id: str
+    tokens: list[int]
+    blocks: list[int]
+    start: int = 0
+    tail: str = ""  # a load's tail record (its first ``len(tokens) % T`` rows are loaded)
+
+
+@dataclass
+class KvarnConnectorMetadata(KVConnectorMetadata):
+    """A step's loads and saves, built by the scheduler side for the worker side."""
+
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _Layer:
+    """A kvarn layer as the worker side moves it: pages ``[NB, H, page_bytes]`` uint8, its record
+    size, and the attention impl holding its sink pool and engine context."""
+
+    pages: torch.Tensor
+    tile_bytes: int
+    impl: Any
+
+
+@dataclass
+class _Prompt:
+    """A request the scheduler side follows until its prompt is computed (then saved)."""
+
+    tokens: list[int]
+    blocks: list[int]
+
+
+class KvarnStorageConnector(KVConnectorBase_V1):
+    """Whole kvarn tiles, tail rows and sink rows to and from a directory (module docstring)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cache, model = vllm_config.cache_config, vllm_config.model_config
+        if not DTYPES.is_kvarn(cache.cache_dtype):
+            raise ValueError(
+                f"{NAME} carries kvarn pages only; kv_cache_dtype={cache.cache_dtype!r} is not a kvarn dtype "
+                "(use one of vLLM's connectors, e.g. ExampleConnector, for vLLM's own caches)"
+            )
+        root = self._kv_transfer_config.get_from_extra_config(PATH_KEY, None)
+        if not root:
+            raise ValueError(f"{NAME} needs kv_connector_extra_config={{{PATH_KEY!r}: <folder>}}")
+        scheme = DTYPES.scheme(cache.cache_dtype)
+        self.group_size = int(cache.block_size)
+        self.sink_rows = sink_capacity(scheme)
+        self.store = RecordStore(root, namespace(model.model, scheme.name, model.dtype, model.get_head_size()))
+        # scheduler side
+        self._matched: dict[str, tuple[list[int], str]] = {}  # prefix to load, its tail record's key
+        self._loads: list[Transfer] = []
+        self._prompts: dict[str, _Prompt] = {}
+        # worker side
+        self._layers: dict[str, _Layer] = {}
+        self._received: set[str] = set()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def matched_prefix(self, tokens: list[int]) -> tuple[int, str]:
+        """Tokens of ``tokens`` (all but the last at most) whose records the store holds in full, and the
+        key of the tail record that holds the rows past their whole tiles ("" when none)."""
+        t, limit = self.group_size, len(tokens) - 1
+        keys = tile_keys(tokens[:limit], t)
+        n = 0
+        while n < len(keys) and self.store.has("tile", keys[n]):
+            n += 1
+        prefix = keys[n - 1] if n else ROOT_KEY
+        rows, tail = self.store.longest_tail(prefix, tokens[n * t : min(limit, n * t + t - 1)])
+        matched = n * t + rows
+        sink_key = token_hash(tokens[: self.sink_rows])
+        if self.sink_rows and matched and (matched < self.sink_rows or not self.store.has("sink", sink_key)):
+            return 0, ""  # without its exact first rows the request would not read what was saved
+        return matched, tail
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self._kv_transfer_config.is_kv_consumer:
+            return 0, False
+        tokens = list(request.prompt_token_ids or [])
+        matched, tail = self.matched_prefix(tokens)
+        if matched <= num_computed_tokens:
+            return 0, False
+        self._matched[request.request_id] = (tokens[:matched], tail)
+        return matched - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        matched = self._matched.pop(request.request_id, None)
+        if num_external_tokens <= 0 or matched is None:
+            return
+        tokens, tail = matched
+        start = len(tokens) - num_external_tokens
+        self._loads.append(Transfer(request.request_id, tokens, list(blocks.get_block_ids()[0]), start, tail))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KvarnConnectorMetadata(loads=self._loads)
+        self._loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        done: dict[str, int] = {}
+        if not self._kv_transfer_config.is_kv_producer:
+            return meta
+        for new in scheduler_output.scheduled_new_reqs:
+            self._prompts[new.req_id] = _Prompt(list(new.prompt_token_ids or []), list(new.block_ids[0]))
+            done[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            prompt = self._prompts.get(req_id)
+            if prompt is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                prompt.blocks = list(new_blocks[0]) if new_blocks is not None else []
+            elif new_blocks is not None:
+                prompt.blocks += new_blocks[0]
+            done[req_id] = cached.num_computed_tokens[i]
+        for req_id, computed in done.items():
+            prompt = self._prompts[req_id]
+            if computed + scheduled.get(req_id, 0) >= len(prompt.tokens):
+                meta.saves.append(Transfer(req_id, prompt.tokens, list(prompt.blocks)))
+                del self._prompts[req_id]
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._prompts.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Keep the kvarn layers' pages (``[NB, H, 1, page_bytes]`` uint8 per layer).
+
+        Raises:
+            ValueError: a layer of the model is not a kvarn layer with tail pages (16-bit layers,
+                MLA and hybrid models are refused at start-up: :mod:`kvarn.vllm.admission`).
+        """
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        from kvarn.vllm.backend import KvarnAttentionImpl
+
+        layers = self._vllm_config.compilation_config.static_forward_context
+        for name, cache in kv_caches.items():
+            impl = getattr(layers.get(name), "impl", None)
+            if not isinstance(impl, KvarnAttentionImpl) or impl.ctx.layout is None:
+                raise ValueError(f"{NAME}: layer {name} is not a kvarn layer with tail pages ({type(impl).__name__})")
+            scheme = impl.ctx.layer_scheme(extract_layer_index(name))
+            assert scheme is not None  # a kvarn impl serves quantized layers only
+            self._layers[name] = _Layer(cache[:, :, 0, :], scheme.tile_bytes(impl.head_size), impl)
+
+    def _first(self) -> _Layer:
+        if not self._layers:
+            raise RuntimeError(f"{NAME}: no KV caches registered")
+        return next(iter(self._layers.values()))
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvarnConnectorMetadata)
+        for transfer in meta.loads:
+            self._load(transfer)
+            self._received.add(transfer.req_id)
+
+    def _load(self, tr: Transfer) -> None:
+        t, tokens = self.group_size, tr.tokens
+        n, rem = len(tokens) // t, len(tokens) % t
+        keys = tile_keys(tokens, t)
+        first = tr.start // t
+        tiles = [self.store.read("tile", keys[j]) for j in range(first, n)]
+        tail = self.store.read("tail", tr.tail) if rem else None
+        ctx = self._first().impl.ctx
+        for name, layer in self._layers.items():
+            if tiles:
+                write_tiles(layer.pages, tr.blocks[first:n], torch.stack([rec[name] for rec in tiles]))
+            if tail is not None:
+                write_tail(layer.pages, ctx.layout, tr.blocks, n, tail[name][:rem])
+        sinks = getattr(ctx.planner, "sinks", None)
+        if not self.sink_rows or sinks is None or sink_slot(sinks, tr.blocks[0]) >= 0:
+            return
+        slot = adopt_sink(sinks, tr.blocks[0])
+        if slot < 0:
+            logger.warning("%s: no free sink slot for request %s; it reads its tile 0 quantized", NAME, tr.req_id)
+            return
+        rows = self.store.read("sink", token_hash(tokens[: self.sink_rows]))
+        for name, layer in self._layers.items():
+            write_sink(layer.impl.sink, slot, rows[name])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole records are written once every layer has run (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvarnConnectorMetadata)
+        for transfer in meta.saves:
+            self._save(transfer)
+
+    def _save(self, tr: Transfer) -> None:
+        t, tokens, store = self.group_size, tr.tokens, self.store
+        n, rem = len(tokens) // t, len(tokens) % t
+        keys = tile_keys(tokens, t)
+        ctx = self._first().impl.ctx
+        for j in range(n):
+            if not store.has("tile", keys[j]):
+                store.write(
+                    "tile",
+                    keys[j],
+                    {k: read_tiles(x.pages, [tr.blocks[j]], x.tile_bytes)[0] for k, x in self._layers.items()},
+                )
+        prefix = keys[n - 1] if n else ROOT_KEY
+        if rem and not store.has("tail", store.tail_key(prefix, tokens[n * t :])):
+            rows = {k: read_tail(x.pages, ctx.layout, tr.blocks, n, rem) for k, x in self._layers.items()}
+            store.write_tail(prefix, tokens[n * t :], rows)
+        sinks = getattr(ctx.planner, "sinks", None)
+        if not self.sink_rows or sinks is None or len(tokens) < self.sink_rows:
+            return
+        sink_key = token_hash(tokens[: self.sink_rows])
+        slot = sink_slot(sinks, tr.blocks[0])
+        if slot >= 0 and not store.has("sink", sink_key):
+            store.write("sink", sink_key, {k: read_sink(x.impl.sink, slot) for k, x in self._layers.items()})
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        received, self._received = self._received, set()
+        return None, received or None
