@@ -41,7 +41,7 @@ _NEGATIVE_BUDGET_RE = re.compile(r"\s*(?:(?:ppl|kl|greedy)\s*=\s*)?-", re.IGNORE
 # TuneConfig fields taken from the flag of the same name unchanged (the rest are parsed in _config)
 _FLAGS_AS_GIVEN = (
     "model", "tokens", "holdout", "split", "strategy", "trials", "timeout", "seed", "storage", "study_name", "pareto",
-    "allow_kv_inversion", "allow_fp16_layers", "context", "max_protect", "prune_tokens", "prune_slack",
+    "allow_kv_inversion", "allow_fp16_layers", "search_tiles", "context", "max_protect", "prune_tokens", "prune_slack",
     "sensitivity_tokens", "cache_dir", "confirm", "device", "dtype", "feasibility",
 )  # fmt: skip
 
@@ -141,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-per-layer", action="store_true", help="one precision for every layer")
     p.add_argument("--max-protect", type=int, default=4, help="most sensitive layers that may get more bits")
     p.add_argument("--group-sizes", default="32,64,128,256", help="comma list of tile sizes to search")
+    p.add_argument(
+        "--search-tiles",
+        action="store_true",
+        help="ladder and allocate: rungs and families at every --group-sizes size that fits the tokens, merged "
+        "by bits (default: the size nearest 128 only; tpe always searches them all)",
+    )
     p.add_argument(
         "--prune-tokens",
         type=int,

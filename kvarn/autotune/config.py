@@ -49,6 +49,7 @@ class TuneConfig:
     per_layer: bool = True
     max_protect: int = 4
     group_sizes: tuple[int, ...] = (32, 64, 128, 256)
+    search_tiles: bool = False  # ladder/allocate: every size of group_sizes that fits, not only the one nearest 128
     min_tiles: int = 4  # a group size needs this many full tiles in the evaluated tokens
     prune_tokens: int | None = -1  # -1: tokens // 2 with tpe, none with allocate; 0 or None: none
     prune_slack: float = 2.0

@@ -11,7 +11,7 @@ it the fastest search: ``make run``'s tune step uses it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import optuna
@@ -29,13 +29,23 @@ RUNGS: tuple[tuple[str, ScaleDtype], ...] = (
 )  # fmt: skip
 
 
-def rungs(bits: Callable[[Scheme], float], group_size: int = 128, sink_tokens: int = 1) -> tuple[Scheme, ...]:
-    """The ladder's schemes at one tile size, fewest ``bits`` first (ties: more key bits first)."""
+def rungs(
+    bits: Callable[[Scheme], float], group_size: int | Sequence[int] = 128, sink_tokens: int = 1
+) -> tuple[Scheme, ...]:
+    """The ladder's schemes at one tile size, or at each of several (``--search-tiles``), fewest
+    ``bits`` first (ties: more key bits first, then the larger tile).
+
+    Example:
+        >>> [s.name for s in rungs(lambda s: s.bits_per_element(64, 30, 2048), (128, 256))][:3]
+        ['kvarn_k3v2_g256_s8', 'kvarn_k3v2_g128_s8', 'kvarn_k3v2_g256']
+    """
+    sizes = (group_size,) if isinstance(group_size, int) else tuple(group_size)
     out = []
-    for pair, scale in RUNGS:
-        k, v = parse_pair(pair)
-        out.append(Scheme(k, v, group_size, scale_dtype=scale, sink_tokens=sink_tokens))
-    return tuple(sorted(out, key=lambda s: (bits(s), -s.key_bits)))
+    for g in sizes:
+        for pair, scale in RUNGS:
+            k, v = parse_pair(pair)
+            out.append(Scheme(k, v, g, scale_dtype=scale, sink_tokens=sink_tokens))
+    return tuple(sorted(out, key=lambda s: (bits(s), -s.key_bits, -s.group_size)))
 
 
 @dataclass(frozen=True)

@@ -150,15 +150,21 @@ def make_space(
     bits: Callable[[Scheme], float] | None = None,
 ) -> Space:
     """The space of ``config.strategy``: layer mixes of the default families or the ladder's
-    uniform schemes (on the searched tile size nearest 128, with one exact first token unless sinks
-    are off; the ladder ordered by ``bits``), or TPE's whole space."""
-    g = min(groups, key=lambda x: (abs(x - 128), x))
+    uniform schemes (on the searched tile size nearest 128, or on every searched size with
+    ``config.search_tiles``; one exact first token unless sinks are off; rungs and families
+    ordered by ``bits``), or TPE's whole space."""
+    tiles = groups if config.search_tiles else (min(groups, key=lambda x: (abs(x - 128), x)),)
     sink = 1 if "1" in config.sinks else 0
+    bits = bits or (lambda s: s.bits_per_element(64, num_layers))
     if config.strategy == "ladder":
-        return LadderSpace(rungs(bits or (lambda s: s.bits_per_element(64, num_layers)), g, sink))
+        return LadderSpace(rungs(bits, tiles, sink))
     if config.allocates:
-        families = tuple(replace(f, group_size=g, sink_tokens=sink) for f in DEFAULT_FAMILIES)
-        return AllocationSpace(num_layers=num_layers, ranking=rank, families=families)
+        top = rank or tuple(range(num_layers))
+        families = sorted(
+            (replace(f, group_size=g, sink_tokens=sink) for g in tiles for f in DEFAULT_FAMILIES),
+            key=lambda f: bits(f.scheme(top, num_layers)),
+        )  # cheapest top first, as DEFAULT_FAMILIES is at one tile size
+        return AllocationSpace(num_layers=num_layers, ranking=rank, families=tuple(families))
     return SearchSpace(
         num_layers=num_layers,
         ranking=rank,
