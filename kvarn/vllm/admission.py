@@ -14,6 +14,7 @@ The checks take the engine's :class:`~kvarn.vllm.context.EngineContext` (its Sch
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
 from kvarn.vllm.connectors import MODULE as KVARN_MODULE
 from kvarn.vllm.connectors import NAME as KVARN_CONNECTOR
 from kvarn.vllm.context import EngineContext
+from kvarn.vllm.pools import sink_capacity
 from kvarn.vllm.registry import is_kvarn_dtype
 
 logger = logging.getLogger("kvarn.vllm")
@@ -65,6 +67,7 @@ _OFFLOADERS = (
     "it offloads and restores full blocks by page bytes, without the request's exact sink rows (a sink pool "
     "outside vLLM's blocks), so a restored prefix would read its first tokens quantized"
 )
+OFFLOADING = "OffloadingConnector"
 CONNECTOR_REASONS: dict[str, str] = {
     "ExampleConnector": (
         "it addresses single token rows of a [blocks, heads, tokens, dim] view of the cache; a kvarn page is "
@@ -75,7 +78,7 @@ CONNECTOR_REASONS: dict[str, str] = {
         "tile records"
     ),
     "LMCacheMPConnector": "LMCache gathers 16-bit [tokens, heads, dim] rows from vLLM's pages; kvarn pages hold packed records",
-    "OffloadingConnector": _OFFLOADERS,
+    OFFLOADING: _OFFLOADERS,
     "SimpleCPUOffloadConnector": _OFFLOADERS,
     "MultiConnector": "kvarn checks each connector itself and does not look inside a MultiConnector",
     "DecodeBenchConnector": "it fills pages with 16-bit test values in vLLM's own layouts",
@@ -90,7 +93,8 @@ for _mover in ("NixlConnector", "NixlPullConnector", "NixlPushConnector", "Moonc
 def check_connector(name: str, scheme: Scheme, vllm_config: Any) -> None:
     """A KV connector (``kv_transfer_config``) is served only where it carries kvarn's KV whole:
     ``KvarnStorageConnector`` (:mod:`kvarn.vllm.connectors.storage`) on a model whose every layer is a
-    kvarn layer with tail pages, one worker. Raises ``ValueError`` naming the connector and why."""
+    kvarn layer with tail pages, one worker; vLLM's ``OffloadingConnector`` for a scheme without sink
+    rows. Raises ``ValueError`` naming the connector and why."""
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     conn = getattr(transfer, "kv_connector", None)
     if transfer is None or conn is None:
@@ -99,16 +103,33 @@ def check_connector(name: str, scheme: Scheme, vllm_config: Any) -> None:
         conn,
         "kvarn does not know whether it carries packed tiles, the lookahead blocks of a partial tile and the sink rows",
     )
-    if conn == KVARN_CONNECTOR and getattr(transfer, "kv_connector_module_path", None) in (None, KVARN_MODULE):
+    module = getattr(transfer, "kv_connector_module_path", None)
+    if conn == KVARN_CONNECTOR and module in (None, KVARN_MODULE):
         reason = _storage_problems(scheme, vllm_config)
-        if not reason:
-            return
+    elif conn == OFFLOADING and module is None:
+        reason = _offloading_problems(scheme, vllm_config)
+    if not reason:
+        return
     raise ValueError(
         f"kv_cache_dtype={name!r} cannot be served with a KV connector {conn!r} (--kv-transfer-config): {reason}. "
         "A request's KV in kvarn is its packed tiles, the 16-bit rows of its partial tile (in its lookahead "
         "blocks) and its exact sink rows (docs/connectors.md); a connector that moves less makes the receiving "
         f"engine read wrong KV. Use kv_connector={KVARN_CONNECTOR!r} where it applies, or another kv_cache_dtype."
     )
+
+
+def _offloading_problems(scheme: Scheme, vllm_config: Any) -> str:
+    """What vLLM's ``OffloadingConnector`` does not carry in this configuration ('' when it carries it
+    all). It offloads and restores whole blocks by page bytes (a kvarn page maps whole: vLLM's
+    ``derive_canonical_mappings`` falls back to the opaque page) and a restored prefix ends on a whole
+    block, so tiles travel and the partial tile is recomputed; the sink rows do not travel."""
+    model = vllm_config.model_config
+    if sink_capacity(scheme):
+        plain = replace(scheme, sink_tokens=0, sink_tile=False).name
+        return f"{_OFFLOADERS} (a scheme without them, such as {plain}, is served)"
+    if model is not None and (model.use_mla or getattr(model, "is_hybrid", False)):
+        return "an MLA or hybrid model's pages have not been checked with it"
+    return ""
 
 
 def _storage_problems(scheme: Scheme, vllm_config: Any) -> str:

