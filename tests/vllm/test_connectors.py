@@ -240,3 +240,21 @@ def test_vllm_offloading_moves_kvarn_pages_whole_and_back(tmp_path: Path) -> Non
     copy(host, slots, flat, back, out=False)  # restore them into other blocks
     assert torch.equal(read_tiles(pages, back[:2], tile), want_tiles)
     assert torch.equal(read_tail(pages, layout, back, 2, 40), want_tail)
+
+
+def test_store_matches_tiles_by_chain_and_tail_rows_by_common_prefix(tmp_path: Path) -> None:
+    """A tile matches only with every token before it; a stored tail serves any prefix of its rows."""
+    import torch
+
+    from kvarn.vllm.connectors.store import ROOT_KEY, RecordStore, tile_keys
+
+    store = RecordStore(tmp_path, "ns")
+    tokens = list(range(1000, 1300))  # 2 tiles of 128, 44 rows
+    keys = tile_keys(tokens, TILE)
+    assert len(keys) == 2
+    assert tile_keys([7, *tokens[1:]], TILE)[1] != keys[1]  # tile 1's key covers token 0 too
+    store.write_tail(keys[1], tokens[256:], {"l0": torch.zeros(44, 1, 4, dtype=torch.uint8)})
+    assert store.longest_tail(keys[1], tokens[256:299]) == (43, store.tail_key(keys[1], tokens[256:]))
+    assert store.longest_tail(keys[1], [*tokens[256:266], 5, 6])[0] == 10  # diverges after 10 rows
+    assert store.longest_tail(keys[0], tokens[128:140]) == (0, "")  # other tiles before it
+    assert store.longest_tail(ROOT_KEY, tokens[:10]) == (0, "")

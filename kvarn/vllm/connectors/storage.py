@@ -121,6 +121,7 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         # worker side
         self._layers: dict[str, _Layer] = {}
         self._received: set[str] = set()
+        self._failed: set[int] = set()  # blocks of loads that failed since vLLM last asked
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -222,10 +223,17 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvarnConnectorMetadata)
         for transfer in meta.loads:
-            self._load(transfer)
+            try:
+                self._load(transfer)
+            except (OSError, KeyError, ValueError) as e:  # a record gone or unreadable: vLLM recomputes or fails it
+                t = self.group_size
+                logger.warning("%s: loading request %s failed (%s)", NAME, transfer.req_id, e)
+                self._failed |= set(transfer.blocks[transfer.start // t : -(-len(transfer.tokens) // t)])
             self._received.add(transfer.req_id)
 
     def _load(self, tr: Transfer) -> None:
+        """Write the records of ``tr`` into its blocks and a sink slot; every record is read before
+        anything is written (a missing one raises and leaves the pages as they were)."""
         t, tokens = self.group_size, tr.tokens
         n, rem = len(tokens) // t, len(tokens) % t
         keys = tile_keys(tokens, t)
@@ -233,21 +241,26 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         tiles = [self.store.read("tile", keys[j]) for j in range(first, n)]
         tail = self.store.read("tail", tr.tail) if rem else None
         ctx = self._first().impl.ctx
+        sinks = getattr(ctx.planner, "sinks", None)
+        held = not self.sink_rows or sinks is None or sink_slot(sinks, tr.blocks[0]) >= 0
+        sink = None if held else self.store.read("sink", token_hash(tokens[: self.sink_rows]))
         for name, layer in self._layers.items():
             if tiles:
                 write_tiles(layer.pages, tr.blocks[first:n], torch.stack([rec[name] for rec in tiles]))
             if tail is not None:
                 write_tail(layer.pages, ctx.layout, tr.blocks, n, tail[name][:rem])
-        sinks = getattr(ctx.planner, "sinks", None)
-        if not self.sink_rows or sinks is None or sink_slot(sinks, tr.blocks[0]) >= 0:
+        if sink is None or sinks is None:
             return
         slot = adopt_sink(sinks, tr.blocks[0])
-        if slot < 0:
+        if slot < 0:  # as the engine's own sink pool under pressure: logged, tile 0 read quantized
             logger.warning("%s: no free sink slot for request %s; it reads its tile 0 quantized", NAME, tr.req_id)
             return
-        rows = self.store.read("sink", token_hash(tokens[: self.sink_rows]))
         for name, layer in self._layers.items():
-            write_sink(layer.impl.sink, slot, rows[name])
+            write_sink(layer.impl.sink, slot, sink[name])
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
