@@ -26,6 +26,7 @@ from kvarn.autotune.report import check_writable, plot_front, summary_table, to_
 from kvarn.autotune.result import Outcome
 from kvarn.autotune.search import resume_hint
 from kvarn.autotune.space import SINK_CHOICES, SINKS
+from kvarn.autotune.storecost import OBJECTIVES
 from kvarn.autotune.texts import SPLITS
 from kvarn.autotune.tuner import model_dims, tune
 from kvarn.cli import DefaultsHelpFormatter
@@ -42,7 +43,7 @@ _NEGATIVE_BUDGET_RE = re.compile(r"\s*(?:(?:ppl|kl|greedy)\s*=\s*)?-", re.IGNORE
 _FLAGS_AS_GIVEN = (
     "model", "tokens", "holdout", "split", "strategy", "trials", "timeout", "seed", "storage", "study_name", "pareto",
     "allow_kv_inversion", "allow_fp16_layers", "search_tiles", "context", "max_protect", "prune_tokens", "prune_slack",
-    "sensitivity_tokens", "cache_dir", "confirm", "device", "dtype", "feasibility",
+    "sensitivity_tokens", "cache_dir", "confirm", "device", "dtype", "feasibility", "objective",
 )  # fmt: skip
 
 
@@ -163,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="bound",
         help="bound (default): a trial meets the budget when the upper end of its metric's 90%% chunk-bootstrap "
         "interval does; point: when its point estimate does (holds less often on unseen text)",
+    )
+    p.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="bits",
+        help="bits (default): the fewest bits per element within the budget; speed: the fastest store (its "
+        "measured ns per token, summed over layers; ties: fewer bits) within the budget, with --strategy tpe",
     )
     p.add_argument("--confirm", type=int, default=3, help="candidates tried on held-out text, fewest bits first")
     p.add_argument(

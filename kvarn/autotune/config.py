@@ -10,6 +10,7 @@ from pathlib import Path
 from kvarn.autotune.budget import Budget
 from kvarn.autotune.corpus import CALIBRATION_DOCS, HELDOUT_DOCS
 from kvarn.autotune.space import SINKS
+from kvarn.autotune.storecost import OBJECTIVES
 
 STRATEGIES: tuple[str, ...] = ("allocate", "ladder", "tpe")  # see kvarn.autotune.search
 
@@ -64,6 +65,7 @@ class TuneConfig:
     feasibility: str = "bound"  # "bound": upper confidence bound within budget (default); "point": estimate
     device: str = "cpu"  # where the model runs: cpu, cuda, cuda:<n>
     dtype: str = "float32"  # the model's dtype: float32, bfloat16, float16
+    objective: str = "bits"  # bits: fewest bits per element; speed: fastest measured store (tpe only)
 
     @property
     def allocates(self) -> bool:
@@ -107,8 +109,15 @@ class TuneConfig:
         """The group sizes with ``min_tiles`` full tiles in ``tokens``, after checking the token counts.
 
         Raises:
-            ValueError: none fits, or the sensitivity pass would read no quantized tile.
+            ValueError: none fits, the sensitivity pass would read no quantized tile, or
+                ``objective`` is unknown or ``speed`` with a bisected search.
         """
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective {self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
+        if self.objective == "speed" and self.strategy != "tpe":
+            raise ValueError(
+                "--objective speed needs --strategy tpe: the ladder and allocation searches bisect on bits"
+            )
         tokens = self.sequence_tokens
         groups = tuple(g for g in self.group_sizes if g * self.min_tiles <= tokens)
         if not groups:

@@ -19,7 +19,9 @@ where it can matter:
 
 The value returned is the scheme's bits per element: per-layer overrides included, and a sink
 (tile or exact tokens) spread over ``context`` tokens, a per-sequence cost that a figure of the
-tiles alone would hide.
+tiles alone would hide. With ``cost_of`` (``--objective speed``) it is that cost instead, the
+store's measured nanoseconds per token (:mod:`kvarn.autotune.storecost`), and the bits are kept
+beside it as a user attribute.
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ class Objective:
     feasibility: str = "bound"  # "bound": upper confidence bound within budget; "point": the estimate
     bits_of: Callable[[Scheme], float] | None = None  # bits of a model with sliding layers (see tuner.layer_mix_bits)
     since: int = 0
+    cost_of: Callable[[Scheme], float] | None = None  # the value to minimize instead of bits (store ns/token)
 
     def __post_init__(self) -> None:
         self.cache: dict[str, dict[str, Any]] = {}
@@ -191,12 +194,16 @@ class Objective:
         bits = self.bits(scheme)
         trial.set_user_attr("scheme", scheme.name)
         trial.set_user_attr("bits", bits)
+        score, unit = bits, "bits"  # what the trial returns: bits, or the store's cost
+        if self.cost_of is not None:
+            score, unit = self.cost_of(scheme), "ns/token"
+            trial.set_user_attr("store_ns", score)
         if not self.pareto:
             done = trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             best = best_feasible([t for t in done if t.number >= self.since])
-            if best is not None and bits >= float(best.value or 0.0):
-                trial.set_user_attr("status", f"skipped: {bits:.4f} bits cannot beat {float(best.value or 0):.4f}")
-                raise optuna.TrialPruned("cannot beat the best feasible bits")
+            if best is not None and score >= float(best.value or 0.0):
+                trial.set_user_attr("status", f"skipped: {score:.4f} {unit} cannot beat {float(best.value or 0):.4f}")
+                raise optuna.TrialPruned(f"cannot beat the best feasible {unit}")
         measured = self.cache.get(scheme.name)
         if measured is None:
             n_partial = None if self.budget.needs_greedy else self.partial_tokens(scheme)
@@ -221,4 +228,4 @@ class Objective:
         trial.set_user_attr("metric", value)
         trial.set_user_attr("decided_by", decided)
         trial.set_constraint(CONSTRAINT, self.budget.violation(decided))
-        return bits
+        return score

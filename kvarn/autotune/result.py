@@ -43,6 +43,7 @@ class Candidate:
     calib_bound: float | None = None
     calib_ci: tuple[float, float] | None = None
     heldout_ci: tuple[float, float] | None = None
+    store_ns: float | None = None  # the store's measured ns per token (``--objective speed``)
 
 
 @dataclass
@@ -94,6 +95,7 @@ def candidate(t: FrozenTrial, budget: Budget, feasibility: str = "bound") -> Can
     return Candidate(
         scheme=t.user_attrs["scheme"],
         bits=float(t.user_attrs["bits"]),
+        store_ns=t.user_attrs.get("store_ns"),
         calib=calib,
         calib_metric=metric,
         calib_bound=decided,
@@ -117,9 +119,12 @@ def unique(cands: list[Candidate]) -> list[Candidate]:
     return list(seen.values())
 
 
-def feasible_by_bits(cands: list[Candidate], budget: Budget) -> list[Candidate]:
-    """Unique candidates whose ``calib_bound`` meets the budget, fewest bits (then least margin) first."""
+def feasible_by_bits(cands: list[Candidate], budget: Budget, objective: str = "bits") -> list[Candidate]:
+    """Unique candidates whose ``calib_bound`` meets the budget, fewest bits (then least margin)
+    first; with ``objective='speed'``, fastest store first (then fewest bits)."""
     ok = unique([c for c in cands if c.calib_bound is not None and budget.met(c.calib_bound)])
+    if objective == "speed":
+        return sorted(ok, key=lambda c: (c.store_ns or 0.0, c.bits, budget.violation(c.calib_bound or 0.0)))
     return sorted(ok, key=lambda c: (c.bits, budget.violation(c.calib_bound or 0.0)))
 
 

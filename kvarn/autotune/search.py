@@ -34,6 +34,7 @@ from kvarn.autotune.config import TuneConfig, slug
 from kvarn.autotune.ladder import LadderSpace, rungs
 from kvarn.autotune.objective import CONSTRAINT, EvaluatorLike, Objective, best_feasible
 from kvarn.autotune.space import SearchSpace, layer_sensitivity, parse_pair, ranking, sensitivity_key
+from kvarn.autotune.storecost import StoreCost
 from kvarn.schemes import Scheme
 
 MAX_FREE_PER_TRIAL = 20  # unmeasured (skipped) trials allowed per evaluated one before the study stops
@@ -253,6 +254,7 @@ def search(
         bits_of=bits_of,
         feasibility=config.feasibility,
         since=first if isinstance(space, AllocationSpace | LadderSpace) else 0,
+        cost_of=StoreCost(head_dim, num_layers) if config.objective == "speed" else None,
     )
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
     objective.prime(done)

@@ -175,6 +175,7 @@ def _config_record(config: TuneConfig, run: SearchRun) -> dict[str, Any]:
         "bits_context": config.bits_context,
         "prune_tokens": config.resolved_prune_tokens(),
         "feasibility": config.feasibility,
+        "objective": config.objective,
         "confidence": CONFIDENCE,
         "device": config.device,
         "dtype": config.dtype,
@@ -195,7 +196,7 @@ def _finish(
     ]
     res.front = pareto_front(unique(measured), budget)
     best = best_feasible(trials)
-    feasible = feasible_by_bits(measured, budget)
+    feasible = feasible_by_bits(measured, budget, config.objective)
     n_done = sum(bool(t.user_attrs.get("evaluated")) for t in trials)
     if run.interrupted:
         res.closest = candidate(best, budget) if best else closest(trials, budget)
