@@ -4,9 +4,8 @@ not depend on what else runs in its batch, up to the first near-tie.
 Six prompts of 150-400 tokens (each reads packed tiles once it decodes), 48 greedy tokens, in one
 8-way batch that holds two of them twice, and each alone. kvarn's decode splits a sequence's tiles
 the same way in any batch and verifies short segments with the decode kernel (docs/cpu_serving.md).
-The model's own bf16 matmuls are not batch-invariant on every CPU, so exact answers may part at a
-near-tie: on a 2-core AVX-512/AMX Xeon (2026-12-02) 5 of 6 kvarn prompts and 2 of 6 with vLLM's own
-cache differed alone vs batched by exact tokens (also without chunking). Every pair must agree by
+The model runs in :data:`~tests.vllm.engines.ENGINE_DTYPE`. Its own matmuls are not batch-invariant
+on every CPU, so exact answers may part at a near-tie (docs/testing.md). Every pair must agree by
 test_scheduling's rule instead (identical, or first differing where both runs rank the two tokens
 within a near-tie, logprobs within MAX_DRIFT before).
 """
@@ -20,6 +19,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from tests.vllm.engines import ENGINE_DTYPE  # noqa: E402
 from tests.vllm.test_scheduling import TOP, Greedy, _agree  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -61,6 +61,7 @@ def _differences(kv_cache_dtype: str) -> dict[str, Any]:
         max_num_batched_tokens=512,
         enable_chunked_prefill=True,
         kv_cache_memory_bytes=2**30,
+        dtype=ENGINE_DTYPE,
     ) as llm:
         llm.reset_prefix_cache()
         batched = run(llm, [prompts[i] for i in BATCH])
