@@ -39,8 +39,12 @@ vllm-metadata:
 run: setup
 	$(PY) -m kvarn.job --model $(MODEL)
 
+# Two pytest-xdist workers, one module (or group of modules sharing an engine run) each at a time,
+# modules with slow tests first (tests/conftest.py); most tests run one torch thread.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25
 
 lint: setup
 	.venv/bin/ruff check kvarn tests tools

@@ -21,8 +21,30 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Modules whose tests share one session fixture (``tests/vllm/conftest.py: default_run``, an engine run):
+# one pytest-xdist group, so that the run is made once.
+SHARED_GROUPS = {"tests/vllm/test_e2e.py": "default_run", "tests/vllm/test_pages.py": "default_run"}
+
+
+def _group(item: pytest.Item) -> str:
+    module = item.nodeid.split("::")[0]
+    return SHARED_GROUPS.get(module, module)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked ``gpu`` when no CUDA device is present."""
+    """Skip tests marked ``gpu`` when no CUDA device is present; group and order tests for
+    ``pytest -n 2 --dist loadgroup`` (``make test``).
+
+    Each module is one ``xdist_group`` (its module fixtures, such as a vLLM engine, run once), except
+    the modules of :data:`SHARED_GROUPS`. Groups that hold ``slow`` tests come first, in collection
+    order, so that two workers take the long groups at the start and finish together.
+    """
+    slow_groups = set()
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+        if "slow" in item.keywords:
+            slow_groups.add(_group(item))
+    items.sort(key=lambda item: _group(item) not in slow_groups)
     if _HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
