@@ -19,8 +19,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvarn.testing.greedy import TOP, Greedy, agree, greedy  # noqa: E402
 from tests.vllm.engines import ENGINE_DTYPE  # noqa: E402
-from tests.vllm.test_scheduling import TOP, Greedy, _agree  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -48,11 +48,7 @@ def _differences(kv_cache_dtype: str) -> dict[str, Any]:
     sp = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True, logprobs=TOP)
 
     def run(llm: Any, batch: list[list[int]]) -> list[Greedy]:
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
-        return [
-            Greedy(list(c.token_ids), [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
-            for c in (o.outputs[0] for o in outs)
-        ]
+        return greedy(llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False))
 
     with cpu_engine(
         str(resolve_model("smollm2-135m")),
@@ -72,8 +68,8 @@ def _differences(kv_cache_dtype: str) -> dict[str, Any]:
     first = {i: batched[BATCH.index(i)] for i in range(len(prompts))}
     twice = [j for j, i in enumerate(BATCH) if BATCH.index(i) != j]
     return {
-        "duplicates": [_agree(batched[j], first[BATCH[j]]) for j in twice],
-        "alone": [_agree(first[i], alone[i]) for i in range(len(prompts))],
+        "duplicates": [agree(batched[j], first[BATCH[j]]) for j in twice],
+        "alone": [agree(first[i], alone[i]) for i in range(len(prompts))],
         "exact_alone": sum(first[i].tokens != alone[i].tokens for i in range(len(prompts))),
     }
 

@@ -7,9 +7,8 @@ the two runs take the same kernels the greedy tokens must be *identical*: a cach
 chunk boundaries moved, a batch vs the same batch after an abort reused its slots. Where a token is
 computed by the decode kernel in one run and by the prefill kernel in the other (a batch vs alone,
 preempted and recomputed vs not, speculative verification vs decode) the two kernels round float32
-differently, so the tokens must be identical or first differ at a near-tie: both runs rank the two
-tokens within :data:`NEAR_TIE` nats of each other there, and every logprob before it agrees within
-:data:`MAX_DRIFT`.
+differently, so the tokens must be identical or first differ at a near-tie
+(:func:`kvarn.testing.greedy.agree`).
 Three engines, each started once (module fixtures), short prompts and few tokens; the first two run
 the model in :data:`~tests.vllm.engines.ENGINE_DTYPE`, the third in its own bfloat16 (its claim is
 about the capacity at vLLM's defaults).
@@ -21,12 +20,12 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvarn.testing.greedy import TOP, agree, greedy
 from tests.vllm.engines import ENGINE_DTYPE
 
 pytest.importorskip("vllm")
@@ -35,41 +34,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CHUNK = 256  # max_num_batched_tokens
 GEN = 24  # greedy tokens per request
-# Two runs that compute a token with different kernels (decode vs prefill) differ in the last bits of
-# float32, and the bf16 model turns that into drift of the logprobs: measured 2026-12-01 up to 0.11
-# nats on the same position early on and 0.28 after 94 tokens (speculative vs plain), in bf16 logit
-# steps of 0.125. So the gap between two candidates moves between runs: an exact tie (0.0) in one run
-# was 0.25 (batch vs alone) and 0.5 (speculative vs plain, token 94) in the other. A near-tie: both
-# runs rank the two tokens within NEAR_TIE of each other (TOP candidates are returned to see the gap).
-NEAR_TIE = 0.5
-TOP = 5
-# Before the first differing token every logprob must agree within this. Drift grows along a
-# generation (measured max 0.40, preempted vs alone at token 88); a wrong tile, slot or sink read moves
-# logprobs by nats (tile 0 read without its exact token on a prefix hit: 2.59, tests/vllm/test_e2e.py).
-MAX_DRIFT = 1.0
-
-
-@dataclass(frozen=True)
-class Greedy:
-    """A greedy completion: its tokens and, per position, the top candidates' logprobs."""
-
-    tokens: list[int]
-    top: list[dict[int, float]]
-
-
-def _agree(a: Greedy, b: Greedy) -> str | None:
-    """None when ``a`` and ``b`` are identical or first differ at a near-tie, else why not."""
-    for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=True)):
-        if x == y:
-            drift = abs(a.top[i][x] - b.top[i][y])
-            if drift > MAX_DRIFT:
-                return f"token {i} ({x}): logprobs {a.top[i][x]:.4f} vs {b.top[i][y]:.4f} drift > {MAX_DRIFT}"
-            continue
-        gaps = [run.top[i][x] - run.top[i][y] for run in (a, b) if x in run.top[i] and y in run.top[i]]
-        if len(gaps) == 2 and all(abs(g) <= NEAR_TIE for g in gaps):
-            return None
-        return f"first differ at token {i}: {x} vs {y}, logprob gaps {gaps} (top {a.top[i]} / {b.top[i]})"
-    return None
 
 
 def _scheme_name() -> str:
@@ -116,13 +80,6 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int = GEN) -> list
     return list(llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False))
 
 
-def _tokens(outs: list[Any]) -> list[Greedy]:
-    return [
-        Greedy(list(c.token_ids), [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
-        for c in (o.outputs[0] for o in outs)
-    ]
-
-
 def _prompts() -> dict[str, list[int]]:
     ids = _text_ids()
     return {"P": ids[:600], "Q": ids[1000:1500], "S1": ids[2000:2050], "S2": ids[2500:2630], "S3": ids[3000:3260]}
@@ -148,20 +105,20 @@ def main_run() -> dict[str, Any]:
     with _engine() as llm:
         llm.reset_prefix_cache()
         a, b = _generate(llm, [pr["P"]]), _generate(llm, [pr["P"]])  # the second reads 4 tiles from the cache
-        r["prefix"] = (_tokens(a)[0], _tokens(b)[0], int(b[0].num_cached_tokens or 0))
+        r["prefix"] = (greedy(a)[0], greedy(b)[0], int(b[0].num_cached_tokens or 0))
         llm.reset_prefix_cache()
-        fresh = _tokens(_generate(llm, [pr["Q"]]))[0]  # chunks 0-255, 256-499
+        fresh = greedy(_generate(llm, [pr["Q"]]))[0]  # chunks 0-255, 256-499
         llm.reset_prefix_cache()
         _generate(llm, [pr["Q"][:200]], max_tokens=1)  # caches tile 0 of Q
         moved = _generate(llm, [pr["Q"]])  # chunks 128-383, 384-499
-        r["chunks"] = (fresh, _tokens(moved)[0], int(moved[0].num_cached_tokens or 0))
+        r["chunks"] = (fresh, greedy(moved)[0], int(moved[0].num_cached_tokens or 0))
         batch = [pr["Q"], pr["S1"], pr["S2"], pr["S3"]]
         solo = []
         for p in batch:
             llm.reset_prefix_cache()
-            solo.append(_tokens(_generate(llm, [p]))[0])
+            solo.append(greedy(_generate(llm, [p]))[0])
         llm.reset_prefix_cache()
-        r["batch"] = _tokens(_generate(llm, batch))  # prefill chunks of some while others decode
+        r["batch"] = greedy(_generate(llm, batch))  # prefill chunks of some while others decode
         r["solo"] = solo
         # abort a request mid-tile (a tile staged, decode running), then serve the batch again
         llm.reset_prefix_cache()
@@ -175,22 +132,22 @@ def main_run() -> dict[str, Any]:
         while engine.has_unfinished_requests():
             engine.step()
         llm.reset_prefix_cache()
-        r["after_abort"] = _tokens(_generate(llm, batch))
+        r["after_abort"] = greedy(_generate(llm, batch))
         r["aborted_at"] = produced
         r["crowd_alone"] = []
         for p in _crowd()[:ALONE]:
             llm.reset_prefix_cache()
-            r["crowd_alone"].append(_tokens(_generate(llm, [p], max_tokens=CROWD_GEN))[0])
+            r["crowd_alone"].append(greedy(_generate(llm, [p], max_tokens=CROWD_GEN))[0])
     return r
 
 
-def test_prefix_cache_hit_gives_the_same_greedy_tokens(main_run: dict[str, Any]) -> None:
+def test_prefix_cache_hit_gives_the_same_greedygreedy(main_run: dict[str, Any]) -> None:
     first, second, cached = main_run["prefix"]
     assert cached == 512  # 4 full tiles read from the cache, 88 tokens computed
     assert second.tokens == first.tokens
 
 
-def test_moved_chunk_boundaries_give_the_same_greedy_tokens(main_run: dict[str, Any]) -> None:
+def test_moved_chunk_boundaries_give_the_same_greedygreedy(main_run: dict[str, Any]) -> None:
     fresh, moved, cached = main_run["chunks"]
     assert cached == 128
     assert moved.tokens == fresh.tokens
@@ -201,7 +158,7 @@ def test_mixed_prefill_decode_batch_and_abort_mid_tile(main_run: dict[str, Any])
     solo tokens; after a request is aborted with a staged tile, the same batch gives them again."""
     assert main_run["aborted_at"] >= 3
     for got, solo in zip(main_run["batch"], main_run["solo"], strict=True):
-        assert _agree(got, solo) is None, _agree(got, solo)
+        assert agree(got, solo) is None, agree(got, solo)
     assert [g.tokens for g in main_run["after_abort"]] == [g.tokens for g in main_run["batch"]]
 
 
@@ -238,13 +195,13 @@ def crowd_run() -> dict[str, Any]:
     r: dict[str, Any] = {"expected_blocks": blocks}
     with _engine(kv_cache_memory_bytes=pools + blocks * page, speculative_config=spec, disable_log_stats=False) as llm:
         r["blocks"] = int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
-        r["together"] = _tokens(_generate(llm, _crowd(), max_tokens=CROWD_GEN))
+        r["together"] = greedy(_generate(llm, _crowd(), max_tokens=CROWD_GEN))
         metrics = {m.name: m for m in llm.get_metrics()}
         r["preemptions"] = int(getattr(metrics.get("vllm:num_preemptions"), "value", 0) or 0)
         r["alone"] = []
         for p in _crowd()[:ALONE]:
             llm.reset_prefix_cache()
-            r["alone"].append(_tokens(_generate(llm, [p], max_tokens=CROWD_GEN))[0])
+            r["alone"].append(greedy(_generate(llm, [p], max_tokens=CROWD_GEN))[0])
         metrics = {m.name: m for m in llm.get_metrics()}
         r["accepted"] = int(getattr(metrics.get("vllm:spec_decode_num_accepted_tokens"), "value", 0) or 0)
     return r
@@ -257,17 +214,15 @@ def test_preemption_keeps_requests_fluent_and_exact(crowd_run: dict[str, Any]) -
     for got in crowd_run["together"]:
         assert len(got.tokens) == CROWD_GEN and _fluent(got.tokens)
     for got, alone in zip(crowd_run["together"], crowd_run["alone"], strict=False):
-        assert _agree(got, alone) is None, _agree(got, alone)
+        assert agree(got, alone) is None, agree(got, alone)
 
 
-def test_ngram_speculative_decoding_gives_the_greedy_tokens(
-    crowd_run: dict[str, Any], main_run: dict[str, Any]
-) -> None:
+def test_ngram_speculative_decoding_gives_the_greedygreedy(crowd_run: dict[str, Any], main_run: dict[str, Any]) -> None:
     """Draft tokens are verified tile-causally like decode tokens (a tile they complete is committed,
     and re-committed if they are rejected): the tokens of the engine without speculation."""
     assert crowd_run["accepted"] > 0, "no draft token was accepted: the test did not exercise speculation"
     for spec, plain in zip(crowd_run["alone"], main_run["crowd_alone"], strict=True):
-        assert _agree(spec, plain) is None, _agree(spec, plain)
+        assert agree(spec, plain) is None, agree(spec, plain)
 
 
 ALONE_SAMPLE = (*range(0, 248, 16), *range(248, 256))  # requests of engine 3 also run alone
@@ -289,11 +244,11 @@ def default_settings_run() -> dict[str, Any]:
     with cpu_engine(str(resolve_model("smollm2-135m")), _scheme_name(), kv_cache_memory_bytes=2**30) as llm:
         r["max_num_seqs"] = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
         r["kv_tokens"] = kv_tokens(llm)
-        r["together"] = _tokens(_generate(llm, prompts, max_tokens=8))
+        r["together"] = greedy(_generate(llm, prompts, max_tokens=8))
         r["alone"] = []
         for i in ALONE_SAMPLE:
             llm.reset_prefix_cache()
-            r["alone"].append(_tokens(_generate(llm, [prompts[i]], max_tokens=8))[0])
+            r["alone"].append(greedy(_generate(llm, [prompts[i]], max_tokens=8))[0])
     return r
 
 
@@ -308,4 +263,7 @@ def test_vllm_defaults_serve_256_requests_at_once(default_settings_run: dict[str
     assert r["kv_tokens"] >= 4.3 * 46592, r["kv_tokens"]
     assert all(len(got.tokens) == 8 for got in r["together"])
     for i, alone in zip(r["sample"], r["alone"], strict=True):
-        assert _agree(r["together"][i], alone) is None, (i, _agree(r["together"][i], alone))
+        assert agree(r["together"][i], alone) is None, (i, agree(r["together"][i], alone))
+
+
+_agree = agree  # the name tests/models/test_vllm_models.py imports

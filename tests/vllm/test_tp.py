@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from .test_scheduling import TOP, Greedy, _agree  # noqa: E402
+from kvarn.testing.greedy import TOP, Greedy, agree  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -84,7 +84,7 @@ def test_tp2_matches_tp1(one_rank: tuple[Path, int, Greedy], monkeypatch: pytest
     # TP=2 sums the two ranks' halves in another order (bf16): the same greedy tokens up to a near-tie.
     # Measured: identical 24 tokens (2026-11-30); the first 23 identical (2026-12-01, random weights
     # give near-flat logits)
-    assert _agree(out2, out1) is None, _agree(out2, out1)
+    assert agree(out2, out1) is None, agree(out2, out1)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="PP=2 on CPU needs 2 cores")
@@ -97,4 +97,4 @@ def test_pp2_matches_one_rank(one_rank: tuple[Path, int, Greedy], monkeypatch: p
     tokens2, out2 = _generate(model, pp=2)
     assert tokens2 == _net_tokens(num_kv_heads=2, layers=1)
     assert tokens2 >= 2 * tokens1 - 128
-    assert _agree(out2, out1) is None, _agree(out2, out1)
+    assert agree(out2, out1) is None, agree(out2, out1)

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from .test_scheduling import TOP, Greedy, _agree  # noqa: E402
+from kvarn.testing.greedy import TOP, Greedy, agree, greedy  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -28,8 +28,7 @@ def _generate(model: Path, ops: str, monkeypatch: pytest.MonkeyPatch) -> Greedy:
     with cpu_engine(str(model), "kvarn_k4v2_g128", max_num_seqs=2, max_num_batched_tokens=256, dtype="float32") as llm:
         prompt = TokensPrompt(prompt_token_ids=list(range(2000, 2400)))  # 400 tokens: 3 full tiles + a tail
         sp = SamplingParams(max_tokens=6, temperature=0, logprobs=TOP)
-        out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
-    return Greedy(list(out.token_ids), [{t: lp.logprob for t, lp in d.items()} for d in out.logprobs])
+        return greedy(llm.generate([prompt], sp, use_tqdm=False))[0]
 
 
 def test_triton_ops_in_an_engine_match_the_cpu_ops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,6 +39,6 @@ def test_triton_ops_in_an_engine_match_the_cpu_ops(tmp_path: Path, monkeypatch: 
     cpu = _generate(model, "cpu", monkeypatch)
     triton = _generate(model, "triton", monkeypatch)
     assert len(triton.tokens) == 6
-    assert _agree(triton, cpu) is None, _agree(triton, cpu)
+    assert agree(triton, cpu) is None, agree(triton, cpu)
     first = triton.tokens[0]
     assert abs(triton.top[0][first] - cpu.top[0][first]) < 1e-3  # the prompt's last token: prefill kernels
