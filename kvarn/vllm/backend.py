@@ -1,14 +1,14 @@
-"""The kvarn attention backend for vLLM: attention over pages of packed tiles, staging of partial tiles.
+"""The kvarn attention backend for vLLM: attention over pages of packed tiles and 16-bit tails.
 
 A layer's page is one tile record per KV head (:mod:`kvarn.vllm.pages`). Partially filled tiles
-live in a staging pool (:mod:`kvarn.vllm.staging`) and, for schemes with a sink (exact first
-tokens, or KVarN's 16-bit first tile), each sequence's first tokens in a sink pool
-(:mod:`kvarn.vllm.sinks`). Both pools hold ``max_num_seqs`` slots per layer, allocated once the
-layer's weights are loaded, before vLLM measures memory for the KV cache, so the KV capacity vLLM
-reports is net of them (an explicit ``kv_cache_memory_bytes`` is reduced by their size). The metadata builder
-plans slots and builds every device tensor of a step once (:mod:`kvarn.vllm.planner`,
-:mod:`kvarn.vllm.step`); a layer's forward only launches ops (:mod:`kvarn.vllm.forward`):
-tile-causal attention over pages, staging and sink pools read in place by slot id.
+wait in each request's own lookahead blocks (:mod:`kvarn.vllm.tail`) and, for schemes with a sink
+(exact first tokens, or KVarN's 16-bit first tile), each sequence's first tokens in a sink pool
+(:mod:`kvarn.vllm.sinks`) of ``max_num_seqs`` slots per layer, allocated once the layer's weights
+are loaded, before vLLM measures memory for the KV cache, so the KV capacity vLLM reports is net of
+it (an explicit ``kv_cache_memory_bytes`` is reduced by its size). The metadata builder plans and
+builds every device tensor of a step once (:mod:`kvarn.vllm.planner`, :mod:`kvarn.vllm.step`); a
+layer's forward only launches ops (:mod:`kvarn.vllm.forward`): tile-causal attention over pages,
+the step's scratch tiles and the sink pool read in place by slot id.
 
 Each impl and builder holds its engine's :class:`~kvarn.vllm.context.EngineContext` (the Scheme
 its ``kv_cache_dtype`` names, resolved once) and each impl, from its first forward, its own
@@ -45,7 +45,6 @@ from kvarn.vllm.planner import StepPlanner, shared_planner
 from kvarn.vllm.pools import Pool, pool_bytes, zeros_pool
 from kvarn.vllm.registry import is_kvarn_dtype
 from kvarn.vllm.sinks import SinkPool
-from kvarn.vllm.staging import StagingPool
 from kvarn.vllm.step import StepTensors
 
 logger = logging.getLogger("kvarn.vllm")
@@ -115,10 +114,6 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
         self.scheme = self.ctx.scheme
 
     @property
-    def pool(self) -> StagingPool | None:
-        return self.planner.pool
-
-    @property
     def sinks(self) -> SinkPool | None:
         return self.planner.sinks
 
@@ -129,10 +124,10 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
 
 
 class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
-    """Per-layer attention over packed tiles plus staged and new tokens; owns the layer's pools
+    """Per-layer attention over packed tiles plus staged and new tokens; owns the layer's sink pool
     (allocated by :meth:`process_weights_after_loading`)."""
 
-    kvarn_pools = True  # its staging and sink pools key on blocks (kvarn.vllm.live publishes the live ones)
+    kvarn_pools = True  # its sink pool keys on blocks (kvarn.vllm.live publishes the live ones)
 
     def __init__(
         self,
@@ -166,24 +161,19 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         self.kv_cache_dtype = kv_cache_dtype
         self.layer_scheme: Scheme | None = None
         self.ops = self.ctx.ops
-        # the layer's pools: partial tiles wait in the requests' own tail blocks (kvarn.vllm.tail) except
-        # where that layout does not apply (a staging pool then); exact first tokens in a sink pool
-        self.stage: Pool | None = None
+        # partial tiles wait in the requests' own tail blocks (kvarn.vllm.tail); exact first tokens in a sink pool
         self.sink: Pool | None = None
         self.allocated = False
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        """Allocate the layer's pools (once), before vLLM measures memory for the KV cache, and count
-        them against it (vLLM calls this when the model's weights are loaded)."""
+        """Allocate the layer's sink pool (once), before vLLM measures memory for the KV cache, and count
+        it against it (vLLM calls this when the model's weights are loaded)."""
         if self.allocated:
             return
         ctx, h, d = self.ctx, self.num_kv_heads, self.head_size
-        staging = ctx.layout is None
-        if staging:
-            self.stage = zeros_pool(ctx.slots, h, ctx.group_size, d, ctx.dtype, ctx.device)
         if ctx.sink_capacity:
             self.sink = zeros_pool(ctx.slots, h, ctx.sink_capacity, d, ctx.dtype, ctx.device)
-        ctx.reserve(pool_bytes(self.scheme, h, d, ctx.dtype, ctx.slots, staging=staging))
+        ctx.reserve(pool_bytes(self.scheme, h, d, ctx.dtype, ctx.slots, staging=False))
         self.allocated = True
 
     def layer_spec(self, spec: AttentionSpec, layer_name: str) -> AttentionSpec:
@@ -219,7 +209,7 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         out = output.view(-1, self.num_heads, self.head_size)
         scheme = self._layer_scheme(layer)
         pages = kv_cache[:, :, 0, :]
-        run_layer(query, key, value, pages, self.stage, self.sink, attn_metadata, scheme, self.scale, out, self.ops)
+        run_layer(query, key, value, pages, None, self.sink, attn_metadata, scheme, self.scale, out, self.ops)
         return output
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvarn.codec.latent import latent_tile_bytes
 from kvarn.kernels.api import AttentionOps
 from kvarn.kernels.dispatch import ops_for
 from kvarn.schemes import Scheme
@@ -37,8 +38,8 @@ class EngineContext:
         num_layers: the layers this pipeline stage builds (``get_num_layers``).
         num_kv_heads, head_dim, dtype: of the model's attention layers (``dtype``: the model's,
             that of staged rows and pools); device: where the pools live.
-        max_num_seqs: the scheduler's; slots: staging and sink slots per layer; sink_capacity: exact
-            rows per sink slot (0: no sink pool).
+        max_num_seqs: the scheduler's; slots: sink slots per layer; sink_capacity: exact rows per
+            sink slot (0: no sink pool).
         mla, hybrid: an MLA model; a hybrid Mamba / linear-attention model (blocks of several tiles).
         latent: an MLA model's ``(kv_lora_rank, qk_rope_head_dim)``, else None.
         max_rollback: the most tokens a step may roll back (speculative tokens per step).
@@ -122,18 +123,40 @@ class EngineContext:
         return self.scheme.group_size
 
     @cached_property
-    def layout(self) -> TailLayout | None:
-        """Where partial tiles wait: the requests' tail blocks (:mod:`kvarn.vllm.tail`), or None for
-        a staging pool (MLA models, and hybrid models, whose blocks hold several tiles).
+    def layout(self) -> TailLayout:
+        """Where partial tiles wait: the requests' tail blocks (:mod:`kvarn.vllm.tail`); an MLA
+        model's rows are its latent rows in pages of one latent record (:attr:`record_bytes`).
 
         Raises:
-            ValueError: see :func:`kvarn.vllm.tail.tail_layout`.
+            ValueError: see :func:`kvarn.vllm.tail.page_layout`.
         """
-        if self.mla or self.hybrid:
-            return None
-        from kvarn.vllm.tail import tail_layout  # imports vLLM's KV-cache managers: not at plugin load
+        from kvarn.vllm.tail import page_layout, tail_layout  # imports vLLM's KV-cache managers: not at plugin load
 
+        if self.latent is not None:
+            width = sum(self.latent)
+            return page_layout(self.scheme, self.record_bytes, width, self.dtype, self.max_rollback, vectors=1)
         return tail_layout(self.scheme, self.head_dim, self.num_layers, self.dtype, self.max_rollback)
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one MLA tile record (:func:`kvarn.codec.latent.latent_tile_bytes`).
+
+        Raises:
+            RuntimeError: the model has no MLA layers.
+        """
+        if self.latent is None:
+            raise RuntimeError(f"kvarn {self.name}: the model has no MLA layers")
+        return latent_tile_bytes(self.scheme, *self.latent)
+
+    @property
+    def tile_bytes(self) -> int:
+        """Bytes of one tile over every kvarn layer (the packed pages a block holds)."""
+        if self.latent is not None:
+            return self.record_bytes * self.num_layers
+        s = self.scheme
+        return self.num_kv_heads * sum(
+            x.tile_bytes(self.head_dim) for i in range(self.num_layers) if (x := s.for_layer(i))
+        )
 
     def check_block_size(self, block_size: int) -> None:
         """One vLLM block is one tile (a hybrid model's blocks: whole tiles, split into one-tile kernel blocks).
@@ -163,7 +186,7 @@ class EngineContext:
         left = int(cache.kv_cache_memory_bytes) - nbytes
         if left <= 0:
             raise ValueError(
-                f"kv_cache_dtype={self.name!r}: the staging/sink pools for max_num_seqs={self.max_num_seqs} need "
+                f"kv_cache_dtype={self.name!r}: the sink pools for max_num_seqs={self.max_num_seqs} need "
                 f"{self.pools.bytes / 2**20:.1f} MiB so far, more than the KV cache memory left "
                 f"({(left + nbytes) / 2**20:.1f} MiB); lower max_num_seqs or give more KV memory"
             )

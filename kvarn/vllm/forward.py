@@ -2,7 +2,7 @@
 
 No loop over requests, no host synchronisation, no tensor built from Python lists. Partial tiles
 are read by slot id from the step's scratch tiles, loaded from the requests' tail pages
-(:mod:`kvarn.vllm.tail`), or, for MLA and hybrid models, from the staging pool allocated at start-up;
+(:mod:`kvarn.vllm.tail`; or from a slot pool a caller passes, :class:`kvarn.vllm.staging.StagingPool`);
 sink slots from the sink pool. The ops are the engine's :class:`~kvarn.kernels.api.AttentionOps`
 (:attr:`kvarn.vllm.context.EngineContext.ops`), over one
 :class:`~kvarn.kernels.api.PagedContext` per layer and step. Tiles are stored without the NaN check
@@ -89,8 +89,8 @@ def run_layer(
     Args:
         query: ``[N, Hq, D]``; key, value: ``[N, H, D]`` (model dtype, unrotated; ``N >= st.num_tokens``).
         pages: ``[num_blocks, H, page_bytes]`` uint8 (``page_bytes >= scheme.tile_bytes(D)``).
-        stage: staging pool ``[num_slots, H, T, D]`` keys and values; None with paged tails (the
-            step's scratch tiles, loaded from and saved to ``pages``: :mod:`kvarn.vllm.tail`).
+        stage: None with paged tails (the engines: the step's scratch tiles, loaded from and saved to
+            ``pages``, :mod:`kvarn.vllm.tail`), else a slot pool ``[num_slots, H, T, D]`` keys and values.
         sink: sink pool ``[num_sink_slots, H, S, D]`` keys and values (schemes with sinks), else None.
         st: the step's tensors from the metadata builder.
         scheme: this layer's scheme (no per-layer overrides).

@@ -1,4 +1,4 @@
-"""Which blocks live requests are filling, published every step for the staging and sink pools.
+"""Which blocks live requests hold, published every step for the sink pool (and a staging pool).
 
 The model runner knows, for every request it holds, its block ids and ``num_computed_tokens``; the
 attention metadata builder sees only the requests scheduled in the step. :func:`publish` runs after

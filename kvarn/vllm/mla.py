@@ -6,9 +6,11 @@ as values: multi-query attention over one 576-wide row. kvarn stores each tile o
 rows as one record of :mod:`kvarn.codec.latent` (latent at ``key_bits``, RoPE 16-bit, as KVarN
 does): one vLLM block = one tile, its page one record (``[num_blocks, 1, record_bytes]`` uint8).
 
-Everything else is kvarn's standard machinery: partial tiles wait unquantized in the staging pool,
-exact first tokens in the sink pool, both planned once per step by the shared planner
-(:mod:`kvarn.vllm.planner`) (``max_num_seqs`` slots, allocated before vLLM sizes the KV cache).
+Everything else is kvarn's standard machinery, planned once per step by the shared planner
+(:mod:`kvarn.vllm.planner`): partial tiles wait unquantized in each request's own lookahead blocks
+(:mod:`kvarn.vllm.tail`: a page of one record holds ``rows_per_page`` latent rows, loaded into the
+step's scratch tiles and saved back by :meth:`KvarnMLAImpl.store`), exact first tokens in the sink
+pool (``max_num_seqs`` slots, allocated before vLLM sizes the KV cache).
 What is vLLM's: the layer (weight absorption, the up-projection of prefill), the metadata, and the
 prefill attention over the step's own tokens (vLLM's CPU MLA prefill, SDPA).
 
@@ -23,7 +25,7 @@ is routed to :meth:`KvarnMLAImpl.store` (:func:`kvarn.vllm.patches.patch_mla_upd
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,12 +39,13 @@ from vllm.model_executor.layers.attention.mla_attention import (  # isort: skip
     MLACommonMetadataBuilder,
 )
 
-from kvarn.codec.latent import dequantize_latent, latent_tile_bytes, quantize_latent, rope_dtype
+from kvarn.codec.latent import dequantize_latent, quantize_latent, rope_dtype
 from kvarn.vllm.backend import PackedTileBackend
-from kvarn.vllm.context import EngineContext, context_of
+from kvarn.vllm.context import EngineContext, context_of, current_context
 from kvarn.vllm.forward import gather_full_tiles, write_rows
 from kvarn.vllm.planner import Planner, shared_planner
 from kvarn.vllm.step import StepTensors, Writes
+from kvarn.vllm.tail import read_rows, with_tail, write_page_rows
 
 
 @dataclass
@@ -52,13 +55,14 @@ class MLAStep:
     Decode rows are the step's first requests (vLLM orders decodes first), one new token each.
     """
 
-    writes: StepTensors  # staging/sink writes and the tiles that became full (attention rows unused)
+    writes: StepTensors  # tail/sink writes, the tail moves and the tiles that became full (attention rows unused)
     table: torch.Tensor  # [D, W] int64 blocks of the full tiles each decode row reads (0-padded)
     tiles: torch.Tensor  # [D] int64 full tiles read
-    tail_slot: torch.Tensor  # [D] int64 staging slot of the partial tile (0 when tail_lens is 0)
+    tail_slot: torch.Tensor  # [D] int64 scratch tile of the partial tile (0 when tail_lens is 0)
     tail_lens: torch.Tensor  # [D] int64 rows of it read (the new token included)
     sink_slot: torch.Tensor  # [D] int64 sink slot read
     sink_rows: torch.Tensor  # [D] int64 exact rows replacing tile 0's first rows (0: none)
+    scratch: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [S, T, L + R] set by store
 
 
 class MLAPlanner(Planner[MLAStep]):
@@ -116,17 +120,15 @@ class KvarnMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata[Any]]):
         return md
 
 
-def _record_bytes(ctx: EngineContext) -> int:
-    """Bytes of one tile's record at the latent and RoPE widths of the engine's MLA layers."""
-    if ctx.latent is None:
-        raise RuntimeError(f"kvarn {ctx.name}: the model has no MLA layers")
-    latent, rope = ctx.latent
-    return latent_tile_bytes(ctx.scheme, latent, rope)
+def _pages(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A layer's cache as ``[blocks, 1, page_bytes]`` uint8 (vLLM binds it ``[blocks, 1, bytes]`` or ``[blocks, bytes]``)."""
+    pages = kv_cache.view(torch.uint8)
+    return pages if pages.dim() == 3 else pages.unsqueeze(1)
 
 
 class KvarnMLAImpl(CPUMLAImpl):
-    """vLLM's CPU MLA, with the latent cache stored as kvarn tiles; owns the layer's pools
-    (allocated by :meth:`process_weights_after_loading`)."""
+    """vLLM's CPU MLA, with the latent cache stored as kvarn tiles and each request's partial tile in
+    its own lookahead blocks; owns the layer's sink pool (allocated by :meth:`process_weights_after_loading`)."""
 
     kvarn_pools = True  # see kvarn.vllm.live
 
@@ -136,22 +138,21 @@ class KvarnMLAImpl(CPUMLAImpl):
         self.scheme = self.ctx.scheme
         self.width = self.kv_lora_rank + self.qk_rope_head_dim
         self.rope_type = rope_dtype(self.ctx.dtype)
-        self.nbytes = _record_bytes(self.ctx)
-        self.stage = torch.empty(0)  # [slots, T, L + R] model dtype, allocated with the weights
+        self.nbytes = self.ctx.record_bytes
+        self.layout = self.ctx.layout
         self.sink: torch.Tensor | None = None  # [slots, capacity, L + R] for schemes with a sink
         self.allocated = False
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        """vLLM's (weight absorption), then the layer's pools (once), allocated before vLLM measures
+        """vLLM's (weight absorption), then the layer's sink pool (once), allocated before vLLM measures
         memory for the KV cache and counted against it."""
         super().process_weights_after_loading(act_dtype)
         if self.allocated:
             return
-        ctx, t, cap = self.ctx, self.ctx.group_size, self.ctx.sink_capacity
-        self.stage = torch.zeros(ctx.slots, t, self.width, dtype=ctx.dtype, device=ctx.device)
+        ctx, cap = self.ctx, self.ctx.sink_capacity
         if cap:
             self.sink = torch.zeros(ctx.slots, cap, self.width, dtype=ctx.dtype, device=ctx.device)
-        ctx.reserve(ctx.slots * (t + cap) * self.width * ctx.dtype.itemsize)
+        ctx.reserve(ctx.slots * cap * self.width * ctx.dtype.itemsize)
         self.allocated = True
 
     # ---- store ---------------------------------------------------------------------------------
@@ -162,19 +163,28 @@ class KvarnMLAImpl(CPUMLAImpl):
             write_rows(pool.unsqueeze(1), rows.unsqueeze(1), w)
 
     def store(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, step: MLAStep) -> None:
-        """Commit the step's rows: staging and sink writes, then tiles that became full into their pages."""
+        """Commit the step's rows: the staged rows of partial tiles from their pages into the step's
+        scratch tiles, this step's rows into them and the sink, tiles that became full into their
+        pages, and this step's rows of partial tiles into their lookahead pages. The scratch tiles
+        then hold what :meth:`forward_mqa` reads of each partial tile."""
         st = step.writes
+        assert st.tail is not None and st.scratch is not None
         n = st.num_tokens
         rows = torch.cat([kv_c_normed[:n], k_pe[:n].reshape(n, -1).to(kv_c_normed.dtype)], dim=1)
-        self._write(self.stage, rows, st.stage_pre)
+        pages = _pages(kv_cache)
+        stage = step.scratch = st.scratch.rows(st.tail.slots, rows, self.scheme.group_size)  # [S, T, L + R]
+        if st.tail.loads is not None:
+            slot, row = st.tail.loads[:2]
+            stage[slot, row] = read_rows(pages, st.tail, self.layout)[:, 0].to(stage.dtype)
+        self._write(stage, rows, st.stage_pre)
+        self._write(stage, rows, st.stage_post)  # scratch slots are the step's own: no slot is read and reused
         self._write(self.sink, rows, st.sink_writes)
         if st.full_blocks is not None:
-            tiles = gather_full_tiles(self.stage, rows, st, self.scheme.group_size, token_dim=1)  # [F, T, L + R]
+            tiles = gather_full_tiles(stage, rows, st, self.scheme.group_size, token_dim=1)  # [F, T, L + R]
             latent, rope = torch.split(tiles, [self.kv_lora_rank, self.qk_rope_head_dim], dim=2)
-            pages = kv_cache.view(torch.uint8)
-            pages = pages[:, 0] if pages.dim() == 3 else pages  # [blocks, 1, bytes] as vLLM binds it
-            pages[st.full_blocks, : self.nbytes] = quantize_latent(latent, rope, self.scheme, self.rope_type)
-        self._write(self.stage, rows, st.stage_post)
+            pages[st.full_blocks, 0, : self.nbytes] = quantize_latent(latent, rope, self.scheme, self.rope_type)
+        if st.tail.saves is not None:
+            write_page_rows(pages, rows.index_select(0, st.tail.saves[0]).unsqueeze(1), st.tail, self.layout)
 
     # ---- decode --------------------------------------------------------------------------------
     def forward_mqa(
@@ -186,8 +196,7 @@ class KvarnMLAImpl(CPUMLAImpl):
             q = torch.cat(q, dim=-1)
         step: MLAStep = attn_metadata.kvarn  # type: ignore[attr-defined]
         b, t = q.shape[0], self.scheme.group_size
-        pages = kv_c_and_k_pe_cache.view(torch.uint8)
-        pages = pages[:, 0] if pages.dim() == 3 else pages
+        pages = _pages(kv_c_and_k_pe_cache)[:, 0]
         table, tiles = step.table[:b], step.tiles[:b]
         w = table.shape[1]
         rec = pages.index_select(0, table.reshape(-1))[:, : self.nbytes]
@@ -198,11 +207,13 @@ class KvarnMLAImpl(CPUMLAImpl):
             exact = (rows[None, :] < step.sink_rows[:b, None]).unsqueeze(-1)
             head = keys[:, : self.sink.shape[1]]
             keys[:, : self.sink.shape[1]] = torch.where(exact, self.sink[step.sink_slot[:b]].float(), head)
-        keys = torch.cat([keys, self.stage[step.tail_slot[:b]].float()], dim=1)  # [B, W*T + T, L + R]
+        stage = step.scratch if step.scratch.numel() else keys.new_zeros(1, t, self.width)  # no store: warm-up
+        keys = torch.cat([keys, stage[step.tail_slot[:b]].float()], dim=1)  # [B, W*T + T, L + R]
         pos = torch.arange(keys.shape[1], device=q.device)
         valid = torch.where(
             pos[None, :] < w * t, pos[None, :] < tiles[:, None] * t, pos[None, :] - w * t < step.tail_lens[:b, None]
         )
+        keys = keys.masked_fill(~valid[..., None], 0.0)  # rows no one wrote (scratch, padding) may hold NaN
         scores = torch.einsum("bhd,bnd->bhn", q.float(), keys) * self.scale
         probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1).nan_to_num(0.0)  # warm-up rows
         out = torch.einsum("bhn,bnl->bhl", probs, keys[..., : self.kv_lora_rank])
@@ -226,6 +237,13 @@ class KvarnMLABackend(PackedTileBackend, CPUMLABackend):
         return block_size is None or block_size % 16 == 0
 
     @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """The packed spec (:meth:`PackedTileBackend.customize_spec`) as a
+        :class:`kvarn.vllm.tail.TailMLASpec`: each request holds its tail's lookahead blocks."""
+        packed = super().customize_spec(spec)
+        return with_tail(packed, current_context().layout.blocks)  # type: ignore[no-any-return]
+
+    @classmethod
     def record_bytes(cls, ctx: EngineContext, spec: AttentionSpec) -> int:
-        """The record of one tile at the MLA layers' widths (:func:`kvarn.codec.latent.latent_tile_bytes`)."""
-        return _record_bytes(ctx)
+        """The record of one tile at the MLA layers' widths (:attr:`EngineContext.record_bytes`)."""
+        return ctx.record_bytes

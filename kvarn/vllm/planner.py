@@ -2,9 +2,9 @@
 
 Layers of different page sizes (a mixed-bit preset) fall into different vLLM attention groups,
 each with its own builder, all called every step with the same ``CommonAttentionMetadata``. The
-staging and sink slots are the same for every layer, so the first builder of a step plans them and
-the others reuse its :class:`~kvarn.vllm.step.StepTensors` (planning twice would advance the pools
-twice). :func:`shared_planner` hands every builder of one engine the same planner, held by its
+tail moves, scratch tiles and sink slots are the same for every layer, so the first builder of a
+step plans them and the others reuse its :class:`~kvarn.vllm.step.StepTensors` (planning twice
+would advance the sink pool twice). :func:`shared_planner` hands every builder of one engine the same planner, held by its
 :class:`~kvarn.vllm.context.EngineContext`: a :class:`StepPlanner` for the standard backend, a
 :class:`kvarn.vllm.mla.MLAPlanner` for MLA.
 """
@@ -21,7 +21,7 @@ from kvarn.schemes import Scheme
 from kvarn.vllm.context import EngineContext
 from kvarn.vllm.pools import sink_capacity
 from kvarn.vllm.sinks import SinkPool
-from kvarn.vllm.staging import LiveBlocks, RequestPlan, StagingPool
+from kvarn.vllm.staging import LiveBlocks, RequestPlan
 from kvarn.vllm.step import StepTensors, build_step
 from kvarn.vllm.tail import Scratch, TailLayout, TailMoves, describe, plan_tails
 
@@ -31,22 +31,20 @@ StepT = TypeVar("StepT")
 
 
 class Planner(Generic[StepT]):
-    """Plans each step's staging and sink slots once, for every kvarn layer of one model.
+    """Plans each step's tail moves, scratch tiles and sink slots once, for every kvarn layer of one model.
 
     ``build(m)`` returns the step's tensors; called again with the same step's metadata (the same
     object, or vLLM's copy of it for another group) it returns the tensors it already built.
     """
 
-    def __init__(
-        self, scheme: Scheme, slots: int, layout: TailLayout | None = None, live: LiveBlocks | None = None
-    ) -> None:
-        """``live``: the blocks the engine's live requests hold (its pools reclaim dead ones first)."""
+    def __init__(self, scheme: Scheme, slots: int, layout: TailLayout, live: LiveBlocks | None = None) -> None:
+        """``slots``: sink slots; ``layout``: where partial tiles wait (:mod:`kvarn.vllm.tail`);
+        ``live``: the blocks the engine's live requests hold (the sink pool reclaims dead ones first)."""
         self.scheme = scheme
-        self.layout = layout  # paged tails (kvarn.vllm.tail); None: a staging pool of ``slots`` slots
+        self.layout = layout
         live = live if live is not None else LiveBlocks()
-        self.pool = StagingPool(slots, scheme.group_size, live) if layout is None else None
         self.scratch = Scratch()
-        self.moves: TailMoves | None = None  # the planned step's tail traffic (paged tails)
+        self.moves: TailMoves | None = None  # the planned step's tail traffic
         cap = sink_capacity(scheme)
         self.sinks = SinkPool(slots, cap, scheme.group_size, live) if cap else None
         self.warned_missing = False
@@ -78,7 +76,6 @@ class Planner(Generic[StepT]):
     def writes(self, plans: list[RequestPlan], m: CommonAttentionMetadata, decode: bool) -> StepTensors:
         """The :class:`StepTensors` of planned requests on the device of ``m``'s block table."""
         table = m.block_table_tensor[: m.num_reqs]
-        paged = self.layout is not None
         return build_step(
             plans,
             table,
@@ -86,25 +83,20 @@ class Planner(Generic[StepT]):
             sink_tile=self.scheme.sink_tile,
             has_sink=self.sinks is not None,
             decode=decode,
-            tail=self.moves if paged else None,
+            tail=self.moves,
             layout=self.layout,
-            scratch=self.scratch if paged else None,
+            scratch=self.scratch,
         )
 
     def plan_requests(self, m: CommonAttentionMetadata) -> tuple[list[RequestPlan], bool]:
-        """The staging (and sink) plans of one step's requests, and whether it is a decode step."""
+        """The tail (and sink) plans of one step's requests, and whether it is a decode step."""
         n, t = m.num_reqs, self.scheme.group_size
         qsl = m.query_start_loc_cpu[: n + 1].tolist()
         seq_lens = m.seq_lens[:n].cpu().tolist()
         host = m.block_table_tensor[:n].cpu()
-        ahead = self.layout.blocks if self.layout is not None else 0
-        rows = [host[i, : (s + t - 1) // t + ahead].tolist() for i, s in enumerate(seq_lens)]
+        rows = [host[i, : (s + t - 1) // t + self.layout.blocks].tolist() for i, s in enumerate(seq_lens)]
         decode = all(b - a == 1 for a, b in zip(qsl, qsl[1:], strict=False))
-        if self.layout is not None:
-            plans, self.moves = plan_tails(qsl, seq_lens, rows, self.layout, m.block_table_tensor.device)
-        else:
-            assert self.pool is not None
-            plans = self.pool.plan(qsl, seq_lens, rows, reuse_now=not decode)
+        plans, self.moves = plan_tails(qsl, seq_lens, rows, self.layout, m.block_table_tensor.device)
         if self.sinks is not None:
             self.sinks.plan(plans)
             if self.sinks.missing and not self.warned_missing:
@@ -148,19 +140,14 @@ def shared_planner(ctx: EngineContext, block_size: int, layer_names: list[str], 
     ctx.planner = planner
     cap = ctx.sink_capacity
     what = "the first tile (16-bit)" if scheme.sink_tile else f"the first {cap} token(s)"
-    if layout is not None:
+    blocks = int(ctx.vllm_config.cache_config.block_size or block_size)  # vLLM's: several tiles in a hybrid
+    logger.warning("kvarn %s: %s", scheme.name, describe(layout, ctx.tile_bytes, blocks))
+    if cap:
         logger.warning(
-            "kvarn %s: %s", scheme.name, describe(layout, scheme, ctx.num_kv_heads, ctx.head_dim, ctx.num_layers)
-        )
-    if cap or layout is None:
-        pooled = "exact copies of " + what if cap else ""
-        if layout is None:
-            pooled = "staging of partial tiles" + (" and " + pooled if cap else "")
-        logger.warning(
-            "kvarn %s: %s: %d slots per layer (max(max_num_seqs=%d, KVARN_STAGING_SLOTS)) = %.1f MiB over %d "
-            "layers, allocated before the KV cache and counted against its memory",
+            "kvarn %s: exact copies of %s: %d slots per layer (max(max_num_seqs=%d, KVARN_STAGING_SLOTS)) = %.1f MiB "
+            "over %d layers, allocated before the KV cache and counted against its memory",
             scheme.name,
-            pooled,
+            what,
             ctx.slots,
             ctx.max_num_seqs,
             ctx.pools.bytes / 2**20,

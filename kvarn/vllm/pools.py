@@ -1,12 +1,13 @@
-"""Sizes of the staging and sink pools, and where they are allocated.
+"""Sizes of the sink pool (and of a staging pool), and where they are allocated.
 
-Each layer's pools hold ``slots`` slots (``max(max_num_seqs, KVARN_STAGING_SLOTS)``) of
-``group_size`` staged tokens (:mod:`kvarn.vllm.staging`; only where partial tiles do not wait in
-the requests' tail blocks) and, for schemes with a sink, of ``sink_capacity`` exact first tokens
-(:mod:`kvarn.vllm.sinks`), keys and values in the model dtype. The attention impls of
-:mod:`kvarn.vllm.backend` and :mod:`kvarn.vllm.mla` allocate them once their layer's weights are
-loaded (``process_weights_after_loading``), before vLLM measures memory for the KV cache, and count
-them against it (:meth:`kvarn.vllm.context.EngineContext.reserve`).
+Each layer's sink pool holds ``slots`` slots (``max(max_num_seqs, KVARN_STAGING_SLOTS)``) of
+``sink_capacity`` exact first tokens (:mod:`kvarn.vllm.sinks`), keys and values in the model dtype,
+for schemes with a sink. Partial tiles wait in the requests' own tail blocks (:mod:`kvarn.vllm.tail`),
+so no engine has a staging pool; :func:`pool_bytes` still sizes one (``staging=True``) for tools
+that compare with it. The attention impls of :mod:`kvarn.vllm.backend` and :mod:`kvarn.vllm.mla`
+allocate the sink pool once their layer's weights are loaded (``process_weights_after_loading``),
+before vLLM measures memory for the KV cache, and count it against it
+(:meth:`kvarn.vllm.context.EngineContext.reserve`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def pool_bytes(
     scheme: Scheme, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_slots: int, *, staging: bool = True
 ) -> int:
     """Bytes of one layer's pools: keys and values, ``num_slots`` slots each, of the sink pool and,
-    with ``staging`` (MLA and hybrid models; others keep partial tiles in tail blocks), the staging pool."""
+    with ``staging``, a staging pool's (partial tiles; kvarn's engines keep them in tail blocks instead)."""
     rows = (scheme.group_size if staging else 0) + sink_capacity(scheme)
     return 2 * num_slots * num_kv_heads * rows * head_dim * dtype.itemsize
 

@@ -1,4 +1,10 @@
-"""Staging of partially filled tiles: which slot of the staging pool holds which block, per step.
+"""A step's plan of each request (:class:`RequestPlan`), the blocks live requests hold
+(:class:`LiveBlocks`), and a staging pool's slot bookkeeping (:class:`StagingPool`).
+
+kvarn's engines keep partial tiles in each request's own lookahead blocks (:mod:`kvarn.vllm.tail`),
+every model kind alike; :class:`StagingPool` remains as the slot bookkeeping of a pool that
+:func:`kvarn.vllm.forward.run_layer` can also read (tests drive attention through it without pages
+of tails). What follows describes that pool.
 
 A vLLM block is one tile of ``block_size`` tokens. Until it is full its tokens cannot be quantized
 (a tile's scales need all of them), so they live unquantized in a *staging slot* (per layer,
@@ -7,8 +13,8 @@ When the block fills, its tile is quantized into the page; the slot keeps the ex
 (``fill == block_size``) until it is needed again, so a step whose draft tokens are rejected
 (speculative decoding rolls the sequence back into the tile) still finds them.
 
-Bound: a request owns at most one partially filled block, so the pool has ``max_num_seqs`` slots,
-allocated at start-up by the attention impls. A new block takes a free
+Bound: a request owns at most one partially filled block, so a pool of ``max_num_seqs`` slots
+never runs out. A new block takes a free
 slot, else the least recently used slot that no request of this step touches and that holds a
 *full* tile or a *dead* block (the model runner publishes, every step, the block each live request
 is filling into the engine's :class:`LiveBlocks`, see :mod:`kvarn.vllm.live`). In a step planned with
@@ -17,8 +23,8 @@ read by this very step may be taken too. Only if none is left is a live request'
 reclaimed; if that request later needs it, :class:`StagingLostError` is raised: never stale tokens,
 never a silent wait.
 
-Pure bookkeeping (no tensors): the planner runs once per step in the metadata builder and
-:mod:`kvarn.vllm.step` turns its plans into the device tensors every layer uses.
+Pure bookkeeping (no tensors): :mod:`kvarn.vllm.step` turns plans into the device tensors every
+layer uses.
 """
 
 from __future__ import annotations

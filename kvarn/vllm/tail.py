@@ -22,6 +22,12 @@ A running request costs ``L`` blocks beyond its tiles (``L * T`` tokens of packe
 while it runs: ``L = ceil(T / rows_per_page)``, e.g. 5 for ``kvarn_k4v2_g128`` at head_dim 64 or
 128 in bfloat16. The rows of the smallest page of the model's kvarn layers set ``rows_per_page``
 for all of them.
+
+The same layout serves the two other page kinds. An MLA layer's page is one latent record
+(:mod:`kvarn.vllm.mla`): one "head", rows of one vector (the latent and RoPE key, ``vectors=1``).
+A hybrid (Mamba / linear-attention) model's vLLM blocks hold several tiles, which vLLM splits into
+one-tile kernel blocks for kvarn: ``L`` counts kernel blocks, and the manager allocates the vLLM
+blocks that cover them (:func:`with_tail`).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from typing import Any
 
 import torch
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from kvarn.schemes import Scheme
 from kvarn.vllm.staging import RequestPlan
@@ -46,8 +52,9 @@ class TailLayout:
     """Where the 16-bit rows of a partial tile live (see the module docstring).
 
     ``group_size``: tokens per tile (``T``); ``rows_per_page``: rows per page and KV head;
-    ``blocks``: lookahead blocks per request (``L``); ``head_dim`` and ``dtype``: of the rows
-    (keys then values of one KV head, the model dtype).
+    ``blocks``: lookahead blocks per request (``L``, one-tile kernel blocks); ``head_dim`` and
+    ``dtype``: of the rows (keys then values of one KV head, the model dtype); ``vectors``: vectors
+    of ``head_dim`` per row (2: a key and a value; 1: an MLA latent row).
     """
 
     group_size: int
@@ -55,11 +62,12 @@ class TailLayout:
     blocks: int
     head_dim: int
     dtype: torch.dtype
+    vectors: int = 2
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one row: keys and values of one KV head."""
-        return 2 * self.head_dim * self.dtype.itemsize
+        """Bytes of one row: the key and value of one KV head (an MLA row: its one vector)."""
+        return self.vectors * self.head_dim * self.dtype.itemsize
 
     def address(self, tile: int, row: int) -> tuple[int, int]:
         """``(index into the request's block row, row within that page)`` of row ``row`` of ``tile``."""
@@ -80,19 +88,44 @@ def tail_layout(
     pages = [s.tile_bytes(head_dim) for i in range(max(num_layers, 1)) if (s := scheme.for_layer(i)) is not None]
     if not pages:
         raise ValueError(f"{scheme.name}: no layer of the model is quantized")
-    row = 2 * head_dim * dtype.itemsize
-    rows = min(pages) // row
+    return page_layout(scheme, min(pages), head_dim, dtype, max_rollback)
+
+
+def page_layout(
+    scheme: Scheme, page: int, head_dim: int, dtype: torch.dtype, max_rollback: int = 0, vectors: int = 2
+) -> TailLayout:
+    """The tail layout of pages of ``page`` bytes per KV head holding rows of ``vectors`` x ``head_dim``
+    numbers of ``dtype`` (an MLA model: its latent record and ``vectors=1``, ``head_dim`` the row width).
+
+    Raises:
+        ValueError: a page holds no row, or too few rows to survive a rollback of ``max_rollback`` tokens.
+    """
+    rows = page // (vectors * head_dim * dtype.itemsize)
     if rows <= max_rollback:
         raise ValueError(
-            f"{scheme.name}: a page of {min(pages)} bytes per KV head holds {rows} 16-bit rows of head_dim "
+            f"{scheme.name}: a page of {page} bytes per KV head holds {rows} 16-bit rows of {vectors} x "
             f"{head_dim} in {dtype}; the tail needs more than the {max_rollback} speculative tokens per step. "
             "Use fewer speculative tokens or a scheme with more bits."
         )
-    return TailLayout(scheme.group_size, rows, math.ceil(scheme.group_size / rows), head_dim, dtype)
+    return TailLayout(scheme.group_size, rows, math.ceil(scheme.group_size / rows), head_dim, dtype, vectors)
+
+
+class _Tail:
+    """What a tail spec adds to its vLLM spec: ``tail_blocks`` in the block table and in merges."""
+
+    tail_blocks: int
+
+    def max_num_blocks_per_req(self, vllm_config: Any, max_len: int) -> int:
+        return int(super().max_num_blocks_per_req(vllm_config, max_len)) + self.tail_blocks  # type: ignore[misc]
+
+    @classmethod
+    def merge(cls, specs: list[Any]) -> Any:
+        merged = super().merge(specs)  # type: ignore[misc]
+        return replace(merged, tail_blocks=max(s.tail_blocks for s in specs))
 
 
 @dataclass(frozen=True, kw_only=True)
-class TailSpec(FullAttentionSpec):
+class TailSpec(_Tail, FullAttentionSpec):
     """A full-attention spec whose requests hold ``tail_blocks`` blocks beyond their tokens' tiles.
 
     Every layer of the kvarn group has it (16-bit layers of the group too, so that the group is of one
@@ -104,21 +137,25 @@ class TailSpec(FullAttentionSpec):
 
     tail_blocks: int = 0
 
-    def max_num_blocks_per_req(self, vllm_config: Any, max_len: int) -> int:
-        return int(super().max_num_blocks_per_req(vllm_config, max_len)) + self.tail_blocks
 
-    @classmethod
-    def merge(cls, specs: list[Any]) -> Any:
-        merged = super().merge(specs)
-        return replace(merged, tail_blocks=max(s.tail_blocks for s in specs))
+@dataclass(frozen=True, kw_only=True)
+class TailMLASpec(_Tail, MLAAttentionSpec):
+    """:class:`TailSpec` for an MLA model's latent layers (vLLM's ``MLAAttentionSpec``)."""
+
+    tail_blocks: int = 0
 
 
 def with_tail(spec: Any, blocks: int) -> Any:
-    """``spec`` (a plain :class:`FullAttentionSpec`) as a :class:`TailSpec` of ``blocks`` lookahead blocks."""
-    if type(spec) is not FullAttentionSpec:
+    """``spec`` (a plain :class:`FullAttentionSpec` or ``MLAAttentionSpec``) as a tail spec whose requests
+    hold ``blocks`` one-tile kernel blocks beyond their tiles: ``ceil(blocks x tile / block_size)`` of
+    vLLM's blocks (a hybrid model's blocks hold several tiles; the tile is ``tokens_per_state`` of a
+    packed spec, else the block)."""
+    kind = {FullAttentionSpec: TailSpec, MLAAttentionSpec: TailMLASpec}.get(type(spec))
+    if kind is None:
         return spec
+    tile = spec.tokens_per_state if spec.tokens_per_state > 1 else spec.block_size
     kwargs = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
-    return TailSpec(**kwargs, tail_blocks=blocks)
+    return kind(**kwargs, tail_blocks=-(-blocks * tile // spec.block_size))
 
 
 class TailManager(FullAttentionManager):
@@ -142,14 +179,19 @@ def register_spec() -> None:
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     KVCacheSpecRegistry.register(TailSpec, TailManager, uniform_type_base_spec=FullAttentionSpec)
+    KVCacheSpecRegistry.register(TailMLASpec, TailManager, uniform_type_base_spec=FullAttentionSpec)
 
 
-def describe(layout: TailLayout, scheme: Scheme, num_kv_heads: int, head_dim: int, num_layers: int) -> str:
-    """One line for the start-up log: what a running request holds beyond its tiles."""
-    page = num_kv_heads * scheme.tile_bytes(head_dim) * num_layers
+def describe(layout: TailLayout, tile_bytes: int, block_size: int) -> str:
+    """One line for the start-up log: what a running request holds beyond its tiles.
+
+    ``tile_bytes``: bytes of one tile over every kvarn layer; ``block_size``: vLLM's block (several
+    tiles in a hybrid model)."""
+    blocks = -(-layout.blocks * layout.group_size // block_size)
+    tokens = blocks * block_size
     return (
-        f"16-bit tails in vLLM's block pool: each running request holds {layout.blocks} blocks beyond its "
-        f"tiles ({layout.blocks * layout.group_size} tokens of packed capacity, ~{layout.blocks * page / 2**20:.1f} "
+        f"16-bit tails in vLLM's block pool: each running request holds {blocks} blocks beyond its "
+        f"tiles ({tokens} tokens of packed capacity, ~{tokens // layout.group_size * tile_bytes / 2**20:.1f} "
         f"MiB), freed when it finishes; no staging pool"
     )
 
@@ -272,6 +314,28 @@ def _row_windows(
     return windows, _cached(moves, (kind, h, per_row, s0, s1, words.device), starts)
 
 
+def read_rows(pages: torch.Tensor, moves: TailMoves, layout: TailLayout) -> torch.Tensor:
+    """The staged rows of ``moves.loads`` from ``pages`` ``[NB, H, page_bytes]`` uint8:
+    ``[n, H, vectors * D]`` of ``layout.dtype`` (:func:`_row_windows`; an empty tensor without loads)."""
+    if moves.loads is None:
+        return torch.empty(0, pages.shape[1], layout.vectors * layout.head_dim, dtype=layout.dtype)
+    _, _, block, off = moves.loads
+    windows, at = _row_windows(pages, moves, "load", block, off, layout)
+    return windows.index_select(0, at).view(-1, pages.shape[1], windows.shape[1]).view(layout.dtype)
+
+
+def write_page_rows(pages: torch.Tensor, picked: torch.Tensor, moves: TailMoves, layout: TailLayout) -> None:
+    """Write the rows of ``moves.saves`` into ``pages``: ``picked`` ``[m, H, vectors * D]``, the step's
+    rows at ``moves.saves[0]`` in that order."""
+    if moves.saves is None:
+        return
+    _, block, off = moves.saves
+    picked = picked.to(layout.dtype)
+    windows, at = _row_windows(pages, moves, "save", block, off, layout)
+    # distinct rows never share a word, so writing through the overlapping windows is well defined
+    windows.index_copy_(0, at, picked.view(windows.dtype).view(-1, windows.shape[1]))
+
+
 def load_rows(
     pages: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor], moves: TailMoves, layout: TailLayout
 ) -> None:
@@ -281,11 +345,10 @@ def load_rows(
     Rows move as whole memory rows (:func:`_row_windows`)."""
     if moves.loads is None:
         return
-    slot, row, block, off = moves.loads
+    slot, row, _, _ = moves.loads
     k, v = scratch
-    windows, at = _row_windows(pages, moves, "load", block, off, layout)
     h = pages.shape[1]
-    rows = windows.index_select(0, at).view(-1, h, windows.shape[1]).view(layout.dtype)  # [n, H, 2 * D]
+    rows = read_rows(pages, moves, layout)  # [n, H, 2 * D]
     d, t = layout.head_dim, k.shape[2]
     if k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == layout.dtype:
 
@@ -306,12 +369,9 @@ def save_rows(
     """Write this step's rows ``moves.saves`` of ``key``/``value`` ``[N, H, D]`` into ``pages``."""
     if moves.saves is None:
         return
-    token, block, off = moves.saves
+    token = moves.saves[0]
     rows = torch.cat([key.index_select(0, token), value.index_select(0, token)], dim=-1)  # [m, H, 2 * D]
-    rows = rows.to(layout.dtype)
-    windows, at = _row_windows(pages, moves, "save", block, off, layout)
-    # distinct rows never share a word, so writing through the overlapping windows is well defined
-    windows.index_copy_(0, at, rows.view(windows.dtype).view(-1, windows.shape[1]))
+    write_page_rows(pages, rows, moves, layout)
 
 
 class Scratch:
@@ -319,14 +379,21 @@ class Scratch:
     turn, kept between steps and grown to the most slots a step has needed."""
 
     def __init__(self) -> None:
-        self.tiles: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.tiles: tuple[torch.Tensor, ...] | None = None
+
+    def _tiles(self, shape: tuple[int, ...], like: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
+        old = self.tiles
+        fits = old is not None and len(old) == parts and old[0].shape[1:] == shape[1:] and old[0].dtype == like.dtype
+        if old is None or not fits or old[0].shape[0] < shape[0] or old[0].device != like.device:
+            n = max(shape[0], old[0].shape[0] if old is not None and fits else 0)
+            old = self.tiles = tuple(like.new_empty((n, *shape[1:])) for _ in range(parts))
+        return tuple(x[: shape[0]] for x in old)
 
     def get(self, slots: int, like: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``slots`` scratch tiles shaped for keys ``like`` ``[N, H, D]`` (its dtype and device)."""
-        shape = (max(slots, 1), like.shape[1], group_size, like.shape[2])
-        old = self.tiles
-        fits = old is not None and old[0].shape[1:] == shape[1:] and old[0].dtype == like.dtype
-        if old is None or not fits or old[0].shape[0] < shape[0] or old[0].device != like.device:
-            n = max(shape[0], old[0].shape[0] if old is not None and fits else 0)
-            old = self.tiles = (like.new_empty((n, *shape[1:])), like.new_empty((n, *shape[1:])))
-        return old[0][: shape[0]], old[1][: shape[0]]
+        k, v = self._tiles((max(slots, 1), like.shape[1], group_size, like.shape[2]), like, 2)
+        return k, v
+
+    def rows(self, slots: int, like: torch.Tensor, group_size: int) -> torch.Tensor:
+        """``slots`` scratch tiles ``[slots, T, W]`` of single rows ``like`` ``[N, W]`` (an MLA latent row)."""
+        return self._tiles((max(slots, 1), group_size, like.shape[1]), like, 1)[0]

@@ -262,10 +262,10 @@ def test_impl_and_builder_in_a_vllm_config(tmp_path: Any, monkeypatch: pytest.Mo
     h, hq, d = 2, 4, 64
     with set_current_vllm_config(config):
         impl = KvarnAttentionImpl(hq, d, 0.125, h, None, None, scheme.name)
-    assert impl.stage is None and impl.sink is None  # the constructor allocates nothing
+    assert impl.sink is None  # the constructor allocates nothing
     assert config.cache_config.kv_cache_memory_bytes == 2**24
     impl.process_weights_after_loading(config.model_config.dtype)  # as vLLM calls it once weights are loaded
-    assert impl.stage is None and impl.sink is not None and impl.sink[0].shape == (3, h, 1, d)
+    assert impl.sink is not None and impl.sink[0].shape == (3, h, 1, d)
     dtype = config.model_config.dtype  # bfloat16 on CPU
     assert impl.sink[0].dtype == dtype
     assert config.cache_config.kv_cache_memory_bytes == 2**24 - pool_bytes(scheme, h, d, dtype, 3, staging=False)

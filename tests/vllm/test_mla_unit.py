@@ -39,25 +39,31 @@ SCHEMES = [Scheme(4, 2, T, sink_tokens=0), Scheme(4, 2, T, sink_tokens=2), Schem
 @pytest.mark.vllm
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
 def test_mla_store_and_decode_match_the_reference(scheme: Scheme) -> None:
-    """Two requests (prompts of 90 and 60 rows, blocks [3, 5, 7, 9] and [2, 4, 6]), then decode steps
-    that cross tile boundaries: every decode output equals attention over the rows as kvarn keeps them
-    (full tiles through the latent codec, the exact first rows where the scheme keeps them, the
-    partial tile exact), and pages hold exactly the codec's records."""
+    """Two requests (prompts of 90 and 60 rows, tiles in blocks [3, 5, 7, 9] and [2, 4, 6], each
+    followed by its lookahead blocks), then decode steps that cross tile boundaries: every decode
+    output equals attention over the rows as kvarn keeps them (full tiles through the latent codec,
+    the exact first rows where the scheme keeps them, the partial tile exact: its rows come back from
+    the lookahead pages, since a step's scratch tiles start empty), and pages hold exactly the codec's
+    records."""
     pytest.importorskip("vllm")
     from kvarn.vllm.mla import KvarnMLAImpl, MLAPlanner
+    from kvarn.vllm.tail import page_layout
 
     torch.manual_seed(1)
     width = LATENT + ROPE
     slots = 3
-    planner = MLAPlanner(scheme, slots)
+    nbytes = latent_tile_bytes(scheme, LATENT, ROPE)
+    layout = page_layout(scheme, nbytes, width, torch.float16, vectors=1)
+    assert layout.rows_per_page == nbytes // (2 * width) and layout.blocks >= 2  # rows of one tile span pages
+    planner = MLAPlanner(scheme, slots, layout)
     impl = KvarnMLAImpl.__new__(KvarnMLAImpl)  # the parts a forward uses, without a vLLM config
     cap = T if scheme.sink_tile else scheme.sink_tokens
     impl.scheme, impl.kv_lora_rank, impl.qk_rope_head_dim, impl.width = scheme, LATENT, ROPE, width
-    impl.rope_type, impl.nbytes, impl.scale = torch.float16, latent_tile_bytes(scheme, LATENT, ROPE), 0.1
-    impl.stage = torch.zeros(slots, T, width)
+    impl.rope_type, impl.nbytes, impl.scale, impl.layout = torch.float16, nbytes, 0.1, layout
     impl.sink = torch.zeros(slots, cap, width) if cap else None
-    cache = torch.zeros(10, 1, impl.nbytes + 8, dtype=torch.uint8)  # pages may be wider than a record
-    rows_of = [[3, 5, 7, 9], [2, 4, 6]]
+    cache = torch.zeros(20, 1, impl.nbytes + 8, dtype=torch.uint8)  # pages may be wider than a record
+    ahead = [[11 + 2 * j for j in range(layout.blocks)], [10 + 2 * j for j in range(layout.blocks)]]
+    rows_of = [[3, 5, 7, 9] + ahead[0], [2, 4, 6] + ahead[1]]
     total = [90 + 10, 60 + 10]
     data = [torch.randn(n, width).to(torch.float16).float() for n in total]  # rope exact in float16
     lens = [0, 0]
@@ -69,9 +75,11 @@ def test_mla_store_and_decode_match_the_reference(scheme: Scheme) -> None:
             num_reqs=2,
             query_start_loc_cpu=torch.tensor(qsl),
             seq_lens=torch.tensor(new_lens),
-            block_table_tensor=torch.tensor([r + [0] * (4 - len(r)) for r in rows_of]),
+            block_table_tensor=torch.tensor([r + [0] * (4 + layout.blocks - len(r)) for r in rows_of]),
         )
         st = planner.build(m)
+        for tile in planner.scratch.tiles or ():  # what a step reads of a partial tile comes from its pages
+            tile.fill_(float("nan"))
         new = torch.cat([data[i][lens[i] : new_lens[i]] for i in range(2)])
         impl.store(new[:, :LATENT], new[:, None, LATENT:], cache, st)
         lens = new_lens
