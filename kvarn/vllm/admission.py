@@ -139,9 +139,9 @@ def _storage_problems(scheme: Scheme, vllm_config: Any) -> str:
     if model is not None:
         types = layer_types(model.hf_text_config)
         if model.use_mla:
-            bad.append("an MLA model (latent records and a staging pool, not tail pages)")
+            bad.append("an MLA model (latent records, which it does not read)")
         elif getattr(model, "is_hybrid", False):
-            bad.append("a hybrid model (Mamba / linear-attention state and a staging pool)")
+            bad.append("a hybrid model (Mamba / linear-attention state, which it does not carry)")
         if SLIDING in types:
             bad.append("sliding-window layers (16-bit pages in vLLM's own layout)")
         if fp16_layers(scheme, len(types)):
