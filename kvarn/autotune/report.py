@@ -59,6 +59,8 @@ def provenance(res: TuneResult, c: Candidate, text_source: str) -> dict[str, Any
         "calibration": dict(c.calib or {}),
         "heldout": dict(c.heldout or {}),
         "feasibility": res.config.get("feasibility", "point"),
+        "objective": res.config.get("objective", "bits"),
+        "store_ns_per_token": None if c.store_ns is None else round(c.store_ns, 1),
         "confidence": res.config.get("confidence"),
         "calibration_interval": None if c.calib_ci is None else [round(x, 6) for x in c.calib_ci],
         "heldout_interval": None if c.heldout_ci is None else [round(x, 6) for x in c.heldout_ci],

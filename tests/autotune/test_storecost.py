@@ -12,6 +12,7 @@ import kvarn.autotune.cli as cli
 import kvarn.autotune.storecost as storecost
 from kvarn.autotune.budget import parse_budget
 from kvarn.autotune.config import TuneConfig
+from kvarn.autotune.report import provenance
 from kvarn.autotune.result import Outcome
 from kvarn.autotune.storecost import StoreCost, time_store
 from kvarn.autotune.tuner import tune
@@ -63,6 +64,8 @@ def test_speed_objective_picks_the_fastest_feasible_store(tmp_path: Path, monkey
     # the winner is the measured feasible scheme with the cheapest store, not the fewest bits
     assert cost(Scheme.from_name(res.winner.scheme)) == min(cost(Scheme.from_name(t["scheme"])) for t in feasible)
     assert res.winner.store_ns == pytest.approx(cost(Scheme.from_name(res.winner.scheme)))
+    prov = provenance(res, res.winner, "documents")
+    assert prov["objective"] == "speed" and prov["store_ns_per_token"] == pytest.approx(res.winner.store_ns, abs=0.1)
 
 
 def test_bits_objective_returns_bits_and_measures_no_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
