@@ -206,8 +206,8 @@ def _serve_hybrid(folder: Path, dtype: str, max_num_seqs: int = 4) -> tuple[int,
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from kvarn.testing.greedy import TOP, greedy
     from kvarn.vllm.engine import cpu_engine, kv_tokens
-    from tests.vllm.test_scheduling import TOP, Greedy
 
     text = _gpl3_on_a_small_cpu_cache()
     prompts = [TokensPrompt(prompt_token_ids=list(text[i * 1000 : i * 1000 + n])) for i, n in enumerate(HYBRID_PROMPTS)]
@@ -224,11 +224,7 @@ def _serve_hybrid(folder: Path, dtype: str, max_num_seqs: int = 4) -> tuple[int,
         outs = llm.generate(prompts, params)
         cache = llm.llm_engine.vllm_config.cache_config
         size, block, blocks = kv_tokens(llm), int(cache.block_size), int(cache.num_gpu_blocks)
-    runs = [
-        Greedy(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-        for o in outs
-    ]
-    return size, block, runs, blocks
+    return size, block, greedy(outs), blocks
 
 
 HYBRID_PROMPTS = (400, 700, 130, 900)
@@ -263,12 +259,12 @@ def test_hybrid_served_with_attention_layers_quantized(hybrid_folder: Path) -> N
     default ``max_num_seqs`` (256): partial tiles wait in the requests' own blocks, so its pages take
     >= 99% of the memory k8v8's take at 4 sequences (a staging pool of 256 slots took 3% of it)."""
     from kvarn.schemes import Scheme
-    from tests.vllm.test_scheduling import _agree
+    from kvarn.testing.greedy import agree
 
     default_size, default_block, default, _ = _serve_hybrid(hybrid_folder, "auto")
     size8, block8, k8, blocks8 = _serve_hybrid(hybrid_folder, "kvarn_k8v8_g128")
     assert block8 % 128 == 0 and block8 > 128, block8  # blocks of several tiles, split into kernel blocks
-    problems = [why for a, b in zip(default, k8, strict=True) if (why := _agree(a, b))]
+    problems = [why for a, b in zip(default, k8, strict=True) if (why := agree(a, b))]
     assert not problems, problems
     size, block, k4, blocks = _serve_hybrid(hybrid_folder, "kvarn_k4v2_g128", VLLM_CPU_MAX_NUM_SEQS)
     assert all(len(r.tokens) == 24 for r in k4)
@@ -289,12 +285,12 @@ def test_mla_served_with_quantized_latent(mla_folder: Path) -> None:
     take >= 99% of the memory the 8-bit ones take at 4 sequences (a staging pool of 256 slots took 7%)."""
     from kvarn.codec.latent import latent_tile_bytes
     from kvarn.schemes import Scheme
-    from tests.vllm.test_scheduling import _agree
+    from kvarn.testing.greedy import agree
 
     default_size, default_block, default, _ = _serve_hybrid(mla_folder, "auto")
     size8, block8, k8, blocks8 = _serve_hybrid(mla_folder, "kvarn_k8v8_g128")
     assert (default_block, block8) == (_vllm_mla_block(), 128)
-    problems = [why for a, b in zip(default, k8, strict=True) if (why := _agree(a, b))]
+    problems = [why for a, b in zip(default, k8, strict=True) if (why := agree(a, b))]
     assert not problems, problems
     size, block, k4, blocks = _serve_hybrid(mla_folder, "kvarn_k4v2_g128", VLLM_CPU_MAX_NUM_SEQS)
     assert all(len(r.tokens) == 24 for r in k4)
