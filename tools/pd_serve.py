@@ -113,7 +113,7 @@ def run(lens: list[int], max_tokens: int) -> list[dict[str, Any]]:
         with server(model, "kv_consumer", store, logs / "decode.log") as url:
             second = [complete(url, model, p, max_tokens) for p in prompts]
     return [
-        {"prompt": len(p), "cached": b["cached"], "same": a["text"] == b["text"], "text": b["text"]}
+        {"prompt": len(p), "cached": b["cached"], "same": a["text"] == b["text"], "texts": (a["text"], b["text"])}
         for p, a, b in zip(prompts, first, second, strict=True)
     ]
 
@@ -131,6 +131,11 @@ def main(argv: list[str] | None = None) -> None:
     lines += [f"| {r['prompt']} | {r['cached']} | {'yes' if r['same'] else 'NO'} |" for r in rows]
     table = "\n".join(lines)
     print(table)
+    for r in rows:
+        if not r["same"]:
+            print(
+                f"{r['prompt']} tokens: prefill server {r['texts'][0]!r}\n{' ' * len(str(r['prompt']))}  decode server  {r['texts'][1]!r}"
+            )
     if not all(r["same"] for r in rows):
         sys.exit("the decode server's greedy text differs from the prefill server's")
     if args.doc:

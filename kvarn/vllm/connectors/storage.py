@@ -242,7 +242,9 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         tail = self.store.read("tail", tr.tail) if rem else None
         ctx = self._first().impl.ctx
         sinks = getattr(ctx.planner, "sinks", None)
-        held = not self.sink_rows or sinks is None or sink_slot(sinks, tr.blocks[0]) >= 0
+        # a first block held before the load (a local prefix-cache hit) keys its own sequence's sink rows;
+        # a block allocated for the load may still key a finished sequence's slot: overwritten
+        held = not self.sink_rows or sinks is None or (first > 0 and sink_slot(sinks, tr.blocks[0]) >= 0)
         sink = None if held else self.store.read("sink", token_hash(tokens[: self.sink_rows]))
         for name, layer in self._layers.items():
             if tiles:
