@@ -1,0 +1,35 @@
+"""The feature matrix's combined cell in ``make test`` (the whole matrix: ``tools/matrix.py``, its
+table in docs/reliability.md): prefix hits, chunks that cut tiles, ngram speculative decoding,
+preemption and an abort mid-tile at once, on a tiny random Llama in float32. Every request of the
+crowd gets exactly the greedy tokens the same engine gives it alone, vLLM preempted, and vLLM's
+free blocks come back to where they started."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "matrix.py"
+
+
+def test_all_features_at_once_exact_and_nothing_leaks(tmp_path: Path) -> None:
+    out = tmp_path / "matrix.json"
+    cmd = [sys.executable, str(TOOL), "--cells", "all", "--dtypes", "float32", "--caches", "kvarn", "--model", "tiny"]
+    proc = subprocess.run([*cmd, "--work", str(tmp_path), "--json", str(out)], capture_output=True, text=True)
+    logs = "".join(p.read_text()[-3000:] for p in tmp_path.glob("*.log"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
+    (result,) = json.loads(out.read_text())
+    assert result["model"] == "tiny" and result["kv_cache_dtype"] == "kvarn_k4v2_g128"
+    assert [r["verdict"] for r in result["requests"]] == ["exact"] * 6, result["requests"]
+    assert result["preemptions"] > 0
+    start, after_crowd, after_alone = result["free_blocks"]
+    assert start == after_crowd == after_alone, result["free_blocks"]
+    assert "| prefix hits + chunks of 96 + ngram + preemption + abort | 6/6 exact" in proc.stdout

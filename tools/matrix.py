@@ -1,0 +1,298 @@
+"""The feature matrix through vLLM: combinations of serving features, each checked the same way.
+
+Each cell is an engine setting (prefix caching with real hits, chunks that cut tiles, ngram
+speculative decoding, preemption, an abort mid-tile, TP=2, a per-layer mixed-bit preset, a
+sliding-window model, a hybrid model, all of the first five at once). In each cell a crowd of
+distinct requests (three shared prefixes of 1.5 tiles, two suffixes each) is served at once, then
+every request alone on an empty prefix cache, by the same engine. A request is *exact* when its
+greedy tokens are identical, *near-tie* when they first differ where both runs rank the two tokens
+within :data:`kvarn.testing.greedy.NEAR_TIE` (logprobs within ``MAX_DRIFT`` before), else *wrong*.
+vLLM's free blocks after the crowd and after the solo runs must equal those before it (no tail
+block, sink or cached block leaked).
+
+Every cell runs with kvarn's cache and with vLLM's 16-bit cache, in float32 (vLLM's CPU ops then
+compute a request alike in any batch, so a kvarn difference is kvarn's) and in bfloat16 (as users
+serve), each engine in a fresh process with vLLM's engine core in-process (so the block pool can be
+read). Results are kept per run in ``--work`` (an interrupted matrix resumes); the table goes to
+stdout, ``--json`` and ``--doc`` (a section of docs/reliability.md)::
+
+    python tools/matrix.py --doc docs/reliability.md
+    python tools/matrix.py --cells prefix,tp2 --dtypes float32 --json matrix.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "tools") not in sys.path:  # sibling tools import by name, also when this file is loaded by its path
+    sys.path.insert(0, str(ROOT / "tools"))
+
+from doc_section import measuring_args, utc_stamp, write_section  # noqa: E402
+
+GEN = 16  # greedy tokens per request
+PREFIX, SUFFIXES = 192, (60, 180)  # 1.5 tiles shared, then distinct tokens; each crosses a tile in decode
+ABORT_AFTER = 3  # tokens the aborted request produces before it is aborted
+KVARN = "kvarn_k4v2_g128"
+MIXED = "kvarn_k4v2_g128_L0k2v2_L11k2v2_L17-18k4v3_L29k2v2"  # the tuned SmolLM2 mix, on 128-token tiles
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One combination: ``engine`` keyword arguments for :func:`kvarn.vllm.engine.cpu_engine`, the
+    model (``smollm2``, ``tiny`` a random Llama that TP=2 can split, ``windowed`` SmolLM2 with 5 of
+    6 layers sliding, ``hybrid`` a random Mamba2 + attention model), and what the crowd adds."""
+
+    name: str
+    what: str
+    model: str = "smollm2"
+    engine: dict[str, Any] = field(default_factory=dict)
+    preempt: bool = False  # KV memory for the longest request and the start of another: vLLM must preempt
+    abort: bool = False  # one more request, aborted mid-tile once it produced ABORT_AFTER tokens
+    kvarn_dtype: str = KVARN
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+CELLS = (
+    Cell("prefix", "prefix caching, shared prefixes (hits)"),
+    Cell("no-prefix", "prefix caching off", engine={"enable_prefix_caching": False}),
+    Cell("chunks", "chunks of 96 tokens (cut tiles)", engine={"max_num_batched_tokens": 96}),
+    Cell("ngram", "ngram speculative decoding", engine={"speculative_config": NGRAM}),
+    Cell("preempt", "KV memory for one request (preemption)", preempt=True),
+    Cell("abort", "a request aborted mid-tile", abort=True),
+    Cell("tp2", "tensor parallel 2 (random Llama, 2 KV heads)", model="tiny", engine={"tensor_parallel_size": 2}),
+    Cell("mixed", "per-layer mixed-bit preset", kvarn_dtype=MIXED),
+    Cell("sliding", "sliding-window layers (window 64, 5 of 6)", model="windowed"),
+    Cell("hybrid", "hybrid Mamba2 + attention (prefix caching off)", model="hybrid",
+         engine={"enable_prefix_caching": False, "block_size": None}),
+    Cell("all", "prefix hits + chunks of 96 + ngram + preemption + abort",
+         engine={"max_num_batched_tokens": 96, "speculative_config": NGRAM}, preempt=True, abort=True),
+)  # fmt: skip
+CELL_NAMES = [c.name for c in CELLS]
+MODELS = ("smollm2", "tiny", "windowed", "hybrid")
+
+
+def model_folder(kind: str, work: Path) -> Path:
+    """The model of a cell, built once into ``work`` (nothing is downloaded)."""
+    from kvarn.models import resolve_model
+
+    if kind == "smollm2":
+        return Path(resolve_model("smollm2-135m"))
+    folder = work / "models" / kind
+    if (folder / "config.json").exists():
+        return folder
+    if kind == "tiny":
+        from kvarn.testing.synthetic import make_tiny_llama
+
+        return make_tiny_llama(folder, head_dim=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    if kind == "windowed":
+        from kvarn.testing.builders import windowed_copy
+
+        return windowed_copy(folder, window=64, every=6, for_vllm=True)
+    if kind == "hybrid":
+        import torch
+
+        from kvarn.testing.builders import build, granite_hybrid_config, save
+
+        return save(build(granite_hybrid_config()).to(torch.bfloat16), folder)
+    raise ValueError(f"unknown model kind {kind!r}; known: {', '.join(MODELS)}")
+
+
+def crowd_prompts(vocab: int) -> list[list[int]]:
+    """Three prefixes of :data:`PREFIX` tokens, each with two suffixes: six distinct prompts of the
+    bundled GPL-3 (token ids modulo ``vocab``)."""
+    from transformers import AutoTokenizer
+
+    from kvarn.models import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model("smollm2-135m")))
+    ids = [i % vocab for i in tok((ROOT / "kvarn" / "data" / "gpl-3.txt").read_text())["input_ids"]]
+    prompts = []
+    for p in range(3):
+        prefix = ids[p * 1000 : p * 1000 + PREFIX]
+        for s, n in enumerate(SUFFIXES):
+            start = p * 1000 + 400 + s * 200
+            prompts.append(prefix + ids[start : start + n])
+    return prompts
+
+
+def _preempt_memory(folder: Path, kv_cache_dtype: str, dtype: str) -> int:
+    """KV memory for the longest request of the crowd with its tail blocks (kvarn) and one more
+    request's first block and tail: two requests are admitted and cannot both grow, so vLLM preempts."""
+    import torch
+    from transformers import AutoConfig
+
+    from kvarn.schemes import Scheme
+    from kvarn.vllm.pools import pool_bytes
+    from kvarn.vllm.tail import tail_layout
+
+    cfg = AutoConfig.from_pretrained(folder)
+    layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    tiles = -(-(PREFIX + max(SUFFIXES) + GEN) // 128)
+    torch_dtype = getattr(torch, dtype)
+    if kv_cache_dtype == "auto":
+        page = 128 * heads * 2 * head_dim * torch_dtype.itemsize * layers
+        return (tiles + 1) * page
+    scheme = Scheme.from_name(kv_cache_dtype)
+    page = sum(scheme.for_layer(i).tile_bytes(head_dim) for i in range(layers)) * heads  # type: ignore[union-attr]
+    tail = tail_layout(scheme, head_dim, layers, torch_dtype, max_rollback=3).blocks
+    pools = layers * pool_bytes(scheme, heads, head_dim, torch_dtype, 8, staging=False)
+    return pools + (tiles + 1 + 2 * tail) * page
+
+
+def _free_blocks(llm: Any) -> int:
+    return int(llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def run_one(cell: Cell, cache: str, dtype: str, work: Path) -> dict[str, Any]:
+    """Serve ``cell``'s crowd and each request alone with ``cache`` ("kvarn" or "default") in ``dtype``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvarn.testing.greedy import TOP, agree, first_difference, greedy
+    from kvarn.vllm.engine import cpu_engine
+
+    folder = model_folder(cell.model, work)
+    kv_cache_dtype = cell.kvarn_dtype if cache == "kvarn" else "auto"
+    kw: dict[str, Any] = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "enable_chunked_prefill": True}
+    kw |= cell.engine
+    kw["kv_cache_memory_bytes"] = _preempt_memory(folder, kv_cache_dtype, dtype) if cell.preempt else 2**30
+    if cell.engine.get("tensor_parallel_size", 1) == 2:
+        cores = sorted(os.sched_getaffinity(0))[:2]
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}|{cores[1]}"
+    sp = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True, logprobs=TOP)
+    with cpu_engine(str(folder), kv_cache_dtype, dtype=dtype, disable_log_stats=False, **kw) as llm:
+        prompts = crowd_prompts(llm.llm_engine.model_config.get_vocab_size())
+        engine = llm.llm_engine
+        free0 = _free_blocks(llm)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), sp)
+        if cell.abort:
+            engine.add_request("abort", TokensPrompt(prompt_token_ids=prompts[0][:150]), sp)
+        done: dict[str, Any] = {}
+        aborted = not cell.abort
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == "abort" and not aborted and len(out.outputs[0].token_ids) >= ABORT_AFTER:
+                    engine.abort_request(["abort"])
+                    aborted = True
+                elif out.finished and out.request_id != "abort":
+                    done[out.request_id] = out
+        crowd = greedy([done[str(i)] for i in range(len(prompts))])
+        free_crowd = _free_blocks(llm)
+        metrics = {m.name: m for m in llm.get_metrics()}
+        preemptions = int(getattr(metrics.get("vllm:num_preemptions"), "value", 0) or 0)
+        alone = []
+        for p in prompts:
+            llm.reset_prefix_cache()
+            alone.append(greedy(llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False))[0])
+        free_end = _free_blocks(llm)
+    rows = []
+    for a, b in zip(crowd, alone, strict=True):
+        at = first_difference(a, b)
+        why = agree(a, b)
+        rows.append({"verdict": "exact" if at is None else ("wrong" if why else "near-tie"), "at": at, "why": why})
+    return {
+        "cell": cell.name, "cache": cache, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "requests": rows,
+        "free_blocks": [free0, free_crowd, free_end], "preemptions": preemptions,
+    }  # fmt: skip
+
+
+def summary(result: dict[str, Any]) -> str:
+    """``6/6 exact``, ``5 exact, 1 near-tie``, with ``LEAK`` when the free blocks moved."""
+    verdicts = [r["verdict"] for r in result["requests"]]
+    parts = [f"{verdicts.count(v)} {v}" for v in ("exact", "near-tie", "wrong") if verdicts.count(v)]
+    text = f"{len(verdicts)}/{len(verdicts)} exact" if verdicts.count("exact") == len(verdicts) else ", ".join(parts)
+    free = result["free_blocks"]
+    return text + ("" if free[0] == free[1] == free[2] else f"; LEAK free blocks {free}")
+
+
+def table(results: list[dict[str, Any]], dtypes: list[str]) -> str:
+    """A markdown table: a row per cell, a column per (dtype, cache)."""
+    cols = [(d, c) for d in dtypes for c in ("kvarn", "default")]
+    by = {(r["cell"], r["dtype"], r["cache"]): r for r in results}
+    lines = ["| cell | " + " | ".join(f"{c} {d}" for d, c in cols) + " |", "|---|" + "---|" * len(cols)]
+    for cell in CELLS:
+        got = [by.get((cell.name, d, c)) for d, c in cols]
+        if not any(got):
+            continue
+        cells = [
+            summary(r) + (f" ({r['preemptions']} preempted)" if r["preemptions"] else "") if r else "-" for r in got
+        ]
+        lines.append(f"| {cell.what} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(name: str, model: str | None) -> Cell:
+    cell = next(c for c in CELLS if c.name == name)
+    return replace(cell, model=model) if model else cell
+
+
+def _result_path(work: Path, cell: Cell, cache: str, dtype: str) -> Path:
+    return work / f"{cell.name}-{cell.model}-{cache}-{dtype}.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cells", default=",".join(CELL_NAMES), help=f"comma-separated, of: {', '.join(CELL_NAMES)}")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="model dtypes, comma-separated (float32, bfloat16)")
+    ap.add_argument("--caches", default="kvarn,default", help="kvarn, default (vLLM's 16-bit cache), or both")
+    ap.add_argument("--work", type=Path, default=Path("matrix_runs"), help="per-run results and built models")
+    ap.add_argument("--json", type=Path, help="write every run's result here")
+    ap.add_argument("--doc", type=Path, help="replace the matrix section of this markdown file")
+    ap.add_argument("--model", choices=MODELS, help="serve every cell on this model (a quick check: tiny)")
+    ap.add_argument("--one", nargs=3, metavar=("CELL", "CACHE", "DTYPE"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    cells, dtypes, caches = args.cells.split(","), args.dtypes.split(","), args.caches.split(",")
+    bad = [c for c in cells if c not in CELL_NAMES] + [d for d in dtypes if d not in ("float32", "bfloat16")]
+    bad += [c for c in caches if c not in ("kvarn", "default")]
+    if bad:
+        ap.error(f"unknown {bad}; cells: {', '.join(CELL_NAMES)}; dtypes: float32, bfloat16; caches: kvarn, default")
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        name, cache, dtype = args.one
+        cell = _cell(name, args.model)
+        result = run_one(cell, cache, dtype, args.work)
+        _result_path(args.work, cell, cache, dtype).write_text(json.dumps(result | {"model": cell.model}, indent=1))
+        return 0
+    runs = [(c, k, d) for d in dtypes for c in cells for k in caches]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    results = []
+    for n, (cell, cache, dtype) in enumerate(runs, 1):
+        out = _result_path(args.work, _cell(cell, args.model), cache, dtype)
+        if not out.exists():
+            t0 = time.time()
+            print(f"[{n}/{len(runs)}] {cell} {cache} {dtype} ...", end=" ", flush=True, file=sys.stderr)
+            log = out.with_suffix(".log").open("w")
+            cmd = [sys.executable, __file__, "--work", str(args.work), "--one", cell, cache, dtype]
+            cmd += ["--model", args.model] if args.model else []
+            rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+            print(f"rc {rc}, {time.time() - t0:.0f} s", file=sys.stderr)
+            if rc:
+                results.append({"cell": cell, "cache": cache, "dtype": dtype, "error": f"rc {rc}, see {log.name}"})
+                continue
+        results.append(json.loads(out.read_text()))
+    ok = [r for r in results if "error" not in r]
+    text = table(ok, dtypes)
+    failed = [f"{r['cell']} {r['cache']} {r['dtype']}: {r['error']}" for r in results if "error" in r]
+    print(text + "".join(f"\nfailed: {f}" for f in failed))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    if args.doc:
+        measured = measuring_args(argv if argv is not None else sys.argv[1:], ("--json", "--doc", "--work"))
+        command = " ".join(["python tools/matrix.py", *measured])
+        write_section(args.doc, "matrix", f"`{command}` ({utc_stamp()})\n\n{text}\n", title="# Reliability")
+    return 1 if failed or any(r["verdict"] == "wrong" for r in ok for r in r["requests"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
