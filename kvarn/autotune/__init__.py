@@ -3,6 +3,7 @@
 The pieces, upstream first: :mod:`~kvarn.autotune.budget` (``1%``, ``kl=0.01``, ``greedy=200``),
 :mod:`~kvarn.autotune.space` (Optuna parameters -> valid schemes; per-layer sensitivity),
 :mod:`~kvarn.autotune.objective` (bits per element s.t. the budget constraint, pruning),
+:mod:`~kvarn.autotune.storecost` (the store's measured ns per token, ``--objective speed``),
 :mod:`~kvarn.autotune.config` (``TuneConfig``), :mod:`~kvarn.autotune.corpus` (documents of
 different kinds to calibrate and confirm on), :mod:`~kvarn.autotune.texts` (one ``--text``'s
 calibration / held-out split), :mod:`~kvarn.autotune.pooled` (one measurement over several

@@ -1,8 +1,8 @@
 """One precision for every layer, searched by bisection: ``kvarn-tune --strategy ladder``.
 
 The ladder is a list of uniform schemes (one codec layout: tile, Hadamard rotation, 8
-normalization iterations, one exact first token; bit pairs and scale formats varied), ordered by
-bits per element. Damage falls as bits rise along it (assumed, as in
+normalization iterations, one exact first token; bit pairs and scale formats varied, and with
+``--search-tiles`` the tile size too), ordered by bits per element. Damage falls as bits rise along it (assumed, as in
 :mod:`kvarn.autotune.allocate`), so the cheapest rung within the budget is found by bisection:
 the top rung first, then about log2(rungs) measurements; the search then also measures the rungs
 just above the winner, which the held-out check falls back to when it rejects the winner. No sensitivity pass is needed, which makes
