@@ -264,6 +264,3 @@ def test_vllm_defaults_serve_256_requests_at_once(default_settings_run: dict[str
     assert all(len(got.tokens) == 8 for got in r["together"])
     for i, alone in zip(r["sample"], r["alone"], strict=True):
         assert agree(r["together"][i], alone) is None, (i, agree(r["together"][i], alone))
-
-
-_agree = agree  # the name tests/models/test_vllm_models.py imports
