@@ -149,21 +149,6 @@ def test_spec_and_manager_add_the_lookahead() -> None:
     assert manager.get_num_blocks_to_allocate("r", 0, [], 0, 0, 0) == 0
 
 
-def test_kv_connectors_are_refused_at_start_up(tmp_path: Any) -> None:
-    """A connector would move full blocks without the tail rows beyond them: refused, saying why."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    from kvarn.testing.synthetic import write_config_only
-    from kvarn.vllm.plugin import register
-
-    register()
-    model = str(write_config_only(tmp_path / "m"))
-    transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
-    with pytest.raises(ValueError, match=r"cannot be served with a KV connector .*16-bit rows of its partial tile"):
-        EngineArgs(model=model, kv_cache_dtype="kvarn_k4v2_g128", kv_transfer_config=transfer).create_engine_config()
-    EngineArgs(model=model, kv_transfer_config=transfer).create_engine_config()  # other dtypes: vLLM's business
-
-
 def test_a_block_row_without_tail_blocks_is_an_error_not_garbage() -> None:
     layout = tail_layout(Scheme.from_name("kvarn_k4v2_g128"), 64, 30, torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"2 tiles and 5 tail blocks need more .*TailSpec"):
