@@ -20,6 +20,14 @@ except ImportError:  # pragma: no cover
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist each worker's vLLM engines bind their OpenMP threads to one core of their own:
+# vLLM's default binds every engine to every core, and two engines' spinning threads on the same
+# cores slow both by far more than half (docs/testing.md).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and hasattr(os, "sched_getaffinity"):
+    _CORES = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_CORES[int(_WORKER[2:]) % len(_CORES)]))
+
 
 # Modules whose tests share one session fixture (``tests/vllm/conftest.py: default_run``, an engine run):
 # one pytest-xdist group, so that the run is made once.
