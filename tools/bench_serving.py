@@ -39,7 +39,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,8 +56,9 @@ if str(ROOT / "tools") not in sys.path:  # sibling tools import by name, also wh
 
 from doc_section import measuring_args, utc_stamp, write_section  # noqa: E402
 
+from kvarn.testing.serve import VLLM, stop_group, vllm_server  # noqa: E402
+
 DOC = ROOT / "docs" / "serving.md"
-VLLM = Path(sys.executable).with_name("vllm")  # the console script next to this interpreter
 MODELS = ("smollm2-135m", "llama1b-shapes")
 DEFAULT_CACHE = "auto"
 
@@ -207,34 +207,9 @@ def run_order(caches: list[str], repeats: int) -> list[tuple[int, str]]:
     return [(r, c) for r in range(repeats) for c in (caches if r % 2 == 0 else caches[::-1])]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _get(url: str, timeout: float = 10) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode()
-
-
-def _stop_group(proc: subprocess.Popen[Any], grace_s: float = 60) -> None:
-    """SIGINT to ``proc``'s process group (server, engine core, workers), SIGKILL after ``grace_s``;
-    returns once no process of the group is left."""
-    pgid = proc.pid
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGINT)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        proc.poll()
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.5)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
-    proc.wait(timeout=30)
 
 
 @contextlib.contextmanager
@@ -243,29 +218,11 @@ def server(
 ) -> Iterator[str]:
     """``vllm serve`` on a free loopback port; yields its base URL once ``/health`` answers, stops its
     process group on exit."""
-    port = _free_port()
-    cmd = [str(VLLM), "serve", str(model_dir), "--served-model-name", served_name, "--host", "127.0.0.1",
-           "--port", str(port), "--kv-cache-dtype", cache, "--kv-cache-memory-bytes", str(kv_bytes),
-           "--seed", "0", *extra]  # fmt: skip
+    args = [str(model_dir), "--served-model-name", served_name, "--kv-cache-dtype", cache,
+            "--kv-cache-memory-bytes", str(kv_bytes), "--seed", "0", *extra]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # it would override the flag
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + ready_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve not healthy in {ready_s:.0f} s:\n{log.read_text()[-4000:]}")
-            try:
-                _get(f"{url}/health", timeout=5)
-                break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(2)
+    with vllm_server(args, log, env=env, ready_s=ready_s) as url:
         yield url
-    finally:
-        _stop_group(proc)
 
 
 def _warm_up(url: str, served_name: str) -> None:
@@ -288,7 +245,7 @@ def _bench(args: list[str], log: Path, timeout_s: float) -> None:
         raise RuntimeError(f"vllm bench serve ran past {timeout_s:.0f} s:\n{log.read_text()[-3000:]}") from None
     finally:
         if proc.poll() is None:
-            _stop_group(proc, grace_s=10)
+            stop_group(proc, grace_s=10)
     if rc != 0:
         raise RuntimeError(f"vllm bench serve exited with {rc}:\n{log.read_text()[-3000:]}")
 

@@ -21,12 +21,8 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,13 +32,9 @@ sys.path.insert(0, str(ROOT))
 
 from doc_section import measuring_args, utc_stamp, write_section  # noqa: E402
 
+from kvarn.testing.serve import vllm_server  # noqa: E402
+
 DTYPE = "kvarn_k4v2_g128"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -50,38 +42,13 @@ def server(model: str, role: str, store: Path, log: Path) -> Iterator[str]:
     """``vllm serve MODEL --kv-cache-dtype kvarn_k4v2_g128 --kv-transfer-config {KvarnStorageConnector,
     role, store}`` on 127.0.0.1 with the CPU settings of ``kvarn.vllm.engine.cpu_engine``; yields its
     URL once ``/health`` answers, and stops its process group on exit."""
-    import httpx
-
-    port = _free_port()
     transfer = {"kv_connector": "KvarnStorageConnector", "kv_role": role,
                 "kv_connector_extra_config": {"storage_path": str(store)}}  # fmt: skip
-    vllm = Path(sys.executable).with_name("vllm")
-    cmd = [str(vllm), "serve", model, "--kv-cache-dtype", DTYPE, "--block-size", "128", "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--enforce-eager", "--gpu-memory-utilization", "0.3", "--max-model-len", "1024"]
-    cmd += ["--seed", "0", "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve not healthy in 600 s:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(2)
+    args = [model, "--kv-cache-dtype", DTYPE, "--block-size", "128", "--enforce-eager"]
+    args += ["--gpu-memory-utilization", "0.3", "--max-model-len", "1024", "--seed", "0"]
+    args += ["--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer)]
+    with vllm_server(args, log, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)  # the API server, its engine core and workers
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
 
 
 def complete(url: str, model: str, ids: list[int], max_tokens: int) -> dict[str, Any]:

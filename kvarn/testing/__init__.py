@@ -4,6 +4,8 @@
   hybrid, MLA) and a byte-level tokenizer; ``python -m kvarn.testing.builders`` writes one.
 * :mod:`kvarn.testing.synthetic`: model folders for vLLM engines (a tiny Llama of any head_dim, or a
   ``config.json`` alone for front-end checks).
+* :mod:`kvarn.testing.greedy`: greedy completions of an engine and the rule by which two agree.
+* :mod:`kvarn.testing.serve`: ``vllm serve`` on a free port, waited for and stopped.
 
 The library never imports this package.
 """

@@ -19,11 +19,7 @@ import io
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,9 +28,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvarn.testing.serve import VLLM  # noqa: E402
+
 pytestmark = pytest.mark.vllm
 
-VLLM = Path(sys.executable).with_name("vllm")  # the console script next to this interpreter
 PRESET = "version: 1\nname: {}\nkey_bits: {}\nvalue_bits: 2\ngroup_size: 64\nrotation: hadamard\nnorm_iters: 8\nscale_dtype: fp16\nsink_tile: false\n"
 
 
@@ -109,43 +106,17 @@ def test_serve_parser_rejects_bad_names_with_kvarn_messages(name: str, expected:
         assert part in message
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _server(model: str, log: Path) -> Iterator[str]:
     """``vllm serve MODEL --kv-cache-dtype kvarn_k4v2_g128 --block-size 128`` (the README's command)
     with cpu_engine's CPU settings, on 127.0.0.1; yields its base URL once /health answers."""
-    import httpx
+    from kvarn.testing.serve import vllm_server
 
-    port = _free_port()
-    cmd = [str(VLLM), "serve", model, "--kv-cache-dtype", "kvarn_k4v2_g128", "--block-size", "128"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--gpu-memory-utilization", "0.3"]
-    cmd += ["--max-model-len", "1024", "--seed", "0"]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 420  # measured: healthy after ~105 s on 2 idle cores
-        while True:
-            assert proc.poll() is None, f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"vllm serve not healthy in 420 s:\n{log.read_text()[-4000:]}"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(2)
+    args = [model, "--kv-cache-dtype", "kvarn_k4v2_g128", "--block-size", "128", "--enforce-eager"]
+    args += ["--gpu-memory-utilization", "0.3", "--max-model-len", "1024", "--seed", "0"]
+    # measured: healthy after ~105 s on 2 idle cores
+    with vllm_server(args, log, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, ready_s=420) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)  # the API server, its engine core and workers
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
 
 
 @pytest.mark.slow
