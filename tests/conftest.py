@@ -7,6 +7,7 @@ be set before triton is first imported, so it is set here, at the top of the ses
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -30,29 +31,33 @@ if _WORKER.startswith("gw") and hasattr(os, "sched_getaffinity"):
 
 
 # Modules whose tests share one session fixture (``tests/vllm/conftest.py: default_run``, an engine run):
-# one pytest-xdist group, so that the run is made once.
+# one group for pytest-xdist, so that the run is made once.
 SHARED_GROUPS = {"tests/vllm/test_e2e.py": "default_run", "tests/vllm/test_pages.py": "default_run"}
 
 
-def _group(item: pytest.Item) -> str:
-    module = item.nodeid.split("::")[0]
+def _group(nodeid: str) -> str:
+    module = nodeid.split("::")[0]
     return SHARED_GROUPS.get(module, module)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked ``gpu`` when no CUDA device is present; group and order tests for
-    ``pytest -n 2 --dist loadgroup`` (``make test``).
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``make test``'s two workers take whole groups: a module (its module fixtures, such as a vLLM
+    engine, run once), or the modules of :data:`SHARED_GROUPS` together."""
+    from xdist.scheduler import LoadScopeScheduling
 
-    Each module is one ``xdist_group`` (its module fixtures, such as a vLLM engine, run once), except
-    the modules of :data:`SHARED_GROUPS`. Groups that hold ``slow`` tests come first, in collection
-    order, so that two workers take the long groups at the start and finish together.
-    """
-    slow_groups = set()
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
-        if "slow" in item.keywords:
-            slow_groups.add(_group(item))
-    items.sort(key=lambda item: _group(item) not in slow_groups)
+    class ModuleGroups(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return ModuleGroups(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked ``gpu`` when no CUDA device is present. Order the groups of
+    :func:`pytest_xdist_make_scheduler` so that those holding ``slow`` tests come first, in
+    collection order: two workers take the long groups at the start and finish together."""
+    slow_groups = {_group(item.nodeid) for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: _group(item.nodeid) not in slow_groups)
     if _HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
