@@ -45,6 +45,7 @@ from kvarn.vllm.connectors.carry import (
     write_tiles,
 )
 from kvarn.vllm.connectors.store import ROOT_KEY, RecordStore, namespace, tile_keys, token_hash
+from kvarn.vllm.context import context_of
 from kvarn.vllm.pools import sink_capacity
 from kvarn.vllm.registry import DTYPES
 
@@ -110,7 +111,7 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         root = self._kv_transfer_config.get_from_extra_config(PATH_KEY, None)
         if not root:
             raise ValueError(f"{NAME} needs kv_connector_extra_config={{{PATH_KEY!r}: <folder>}}")
-        scheme = DTYPES.scheme(cache.cache_dtype)
+        scheme = context_of(vllm_config).scheme
         self.group_size = int(cache.block_size)
         self.sink_rows = sink_capacity(scheme)
         self.store = RecordStore(root, namespace(model.model, scheme.name, model.dtype, model.get_head_size()))
