@@ -166,6 +166,8 @@ def run_one(cell: Cell, cache: str, dtype: str, work: Path) -> dict[str, Any]:
     kw: dict[str, Any] = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "enable_chunked_prefill": True}
     kw |= cell.engine
     kw["kv_cache_memory_bytes"] = _preempt_memory(folder, kv_cache_dtype, dtype) if cell.preempt else 2**30
+    if cell.preempt:  # vLLM refuses KV memory that holds no request of max_model_len
+        kw["max_model_len"] = 128 * -(-(PREFIX + max(SUFFIXES) + GEN) // 128)
     if cell.engine.get("tensor_parallel_size", 1) == 2:
         cores = sorted(os.sched_getaffinity(0))[:2]
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}|{cores[1]}"
