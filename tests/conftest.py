@@ -22,8 +22,8 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Under pytest-xdist each worker's vLLM engines bind their OpenMP threads to one core of their own:
-# vLLM's default binds every engine to every core, and two engines' spinning threads on the same
-# cores slow both by far more than half (docs/testing.md).
+# vLLM's default binds every engine to every core, and two engines at once then take twice as long
+# each, no faster than one after the other; on a core each, each runs as fast as alone (docs/testing.md).
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _WORKER.startswith("gw") and hasattr(os, "sched_getaffinity"):
     _CORES = sorted(os.sched_getaffinity(0))
