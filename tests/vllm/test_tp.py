@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvarn.testing.greedy import TOP, Greedy, agree  # noqa: E402
+from kvarn.testing.greedy import TOP, Greedy, agree, greedy  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -38,9 +38,7 @@ def _generate(model: Path, tp: int = 1, pp: int = 1) -> tuple[int, Greedy]:
     ) as llm:
         prompt = TokensPrompt(prompt_token_ids=list(range(1000, 1400)))  # 400 tokens: 3 full tiles + a tail
         sp = SamplingParams(max_tokens=24, temperature=0, logprobs=TOP)
-        out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
-        top = [{t: lp.logprob for t, lp in d.items()} for d in out.logprobs]
-        return kv_tokens(llm), Greedy(list(out.token_ids), top)
+        return kv_tokens(llm), greedy(llm.generate([prompt], sp, use_tqdm=False))[0]
 
 
 def _net_tokens(num_kv_heads: int, layers: int = 2, head_dim: int = 64, slots: int = 4) -> int:
