@@ -168,9 +168,9 @@ def run_one(cell: Cell, cache: str, dtype: str, work: Path) -> dict[str, Any]:
     kw["kv_cache_memory_bytes"] = _preempt_memory(folder, kv_cache_dtype, dtype) if cell.preempt else 2**30
     if cell.preempt:  # vLLM refuses KV memory that holds no request of max_model_len
         kw["max_model_len"] = 128 * -(-(PREFIX + max(SUFFIXES) + GEN) // 128)
-    if cell.engine.get("tensor_parallel_size", 1) == 2:
-        cores = sorted(os.sched_getaffinity(0))[:2]
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}|{cores[1]}"
+    if cell.engine.get("tensor_parallel_size", 1) == 2:  # a core per rank; both share one when one is allowed
+        first, second = (sorted(os.sched_getaffinity(0)) * 2)[:2]
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"{first}|{second}"
     sp = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True, logprobs=TOP)
     with cpu_engine(str(folder), kv_cache_dtype, dtype=dtype, disable_log_stats=False, **kw) as llm:
         prompts = crowd_prompts(llm.llm_engine.model_config.get_vocab_size())
