@@ -3,11 +3,12 @@
 Capacity: the KV tokens vLLM itself reports (blocks x block size) for the same KV memory
 (``VLLM_CPU_KVCACHE_SPACE`` GiB on CPU), for the embedded SmolLM2 (head_dim 64) and a tiny random
 Llama with head_dim 128 (written to a temporary folder). For kvarn dtypes the figure is net of the
-staging and sink pools (``max_num_seqs`` slots per layer, allocated before the KV cache and taken
-from its memory); ``pools_mib`` says how much they took. Throughput: greedy decode tokens per second
-after a ``--context``-token prompt, kvarn vs the default cache (CPU_ATTN on vllm-cpu), one run each;
-the same request with ``max_tokens=1`` is timed and subtracted (a warm-up request puts the prompt in
-vLLM's prefix cache first, so that time covers the last uncached chunk and the first token).
+sink pool (``max_num_seqs`` slots per layer for schemes with exact first tokens, allocated before the
+KV cache and taken from its memory); ``pools_mib`` says how much it took. Throughput: greedy decode
+tokens per second after a ``--context``-token prompt, kvarn vs the default cache (CPU_ATTN on
+vllm-cpu), one run each; the same request with ``max_tokens=1`` is timed and subtracted (a warm-up
+request puts the prompt in vLLM's prefix cache first, so that time covers the last uncached chunk
+and the first token).
 
 Usage::
 
@@ -34,12 +35,10 @@ from kvarn.vllm.engine import cpu_engine, kv_tokens  # noqa: E402
 
 
 def pools_mib(llm: Any) -> float:
-    """MiB of kvarn's pools in this engine (0 for other dtypes): the sink pool, and the staging pool
-    where partial tiles do not wait in tail blocks (MLA, hybrid), for each layer kvarn serves; none for
-    sliding-window layers or a preset's fp16 layers (vLLM's own cache)."""
+    """MiB of kvarn's pools in this engine (0 for other dtypes): the sink pool of each layer kvarn
+    serves; none for sliding-window layers or a preset's fp16 layers (vLLM's own cache)."""
     from kvarn.schemes import get_preset
     from kvarn.vllm.admission import FULL, fp16_layers, layer_types
-    from kvarn.vllm.context import layout_for
     from kvarn.vllm.plugin import is_kvarn_dtype
     from kvarn.vllm.pools import pool_bytes
 
@@ -49,9 +48,8 @@ def pools_mib(llm: Any) -> float:
     model = cfg.model_config
     scheme = get_preset(cfg.cache_config.cache_dtype).scheme
     heads = model.get_num_kv_heads(cfg.parallel_config)
-    staging = layout_for(cfg) is None  # else partial tiles wait in tail blocks, not in a pool
     per_layer = pool_bytes(
-        scheme, heads, model.get_head_size(), model.dtype, cfg.scheduler_config.max_num_seqs, staging=staging
+        scheme, heads, model.get_head_size(), model.dtype, cfg.scheduler_config.max_num_seqs, staging=False
     )
     layers = model.get_num_layers(cfg.parallel_config)
     types = layer_types(getattr(model, "hf_text_config", None) or model.hf_config)
@@ -90,7 +88,7 @@ MODELS = ("smollm2", "tiny128")
 def capacity(
     dtypes: list[str], kv_gib: int, max_num_seqs: int = 4, models: tuple[str, ...] = MODELS
 ) -> list[dict[str, Any]]:
-    """KV tokens per (model, dtype) for ``kv_gib`` GiB of KV memory, ``max_num_seqs`` pool slots.
+    """KV tokens per (model, dtype) for ``kv_gib`` GiB of KV memory, ``max_num_seqs`` sink slots.
 
     ``models``: ``smollm2`` (the embedded SmolLM2-135M, head_dim 64) and/or ``tiny128`` (a tiny random
     Llama, head_dim 128).
@@ -245,7 +243,7 @@ def defaults_llama3_8b(dtypes: list[str], kv_gib: int = 54, max_num_seqs: int = 
     from kvarn.vllm.context import layout_for
     from kvarn.vllm.pages import layer_page_bytes, packed_spec
     from kvarn.vllm.plugin import is_kvarn_dtype, register, resolve_dtype
-    from kvarn.vllm.pools import pool_bytes, sink_capacity
+    from kvarn.vllm.pools import pool_bytes
     from kvarn.vllm.tail import with_tail
 
     register()
@@ -271,9 +269,7 @@ def defaults_llama3_8b(dtypes: list[str], kv_gib: int = 54, max_num_seqs: int = 
                         scheme = get_preset(name).scheme
                         if scheme.for_layer(i) is not None:
                             spec = packed_spec(base, scheme, layer_page_bytes(scheme, d, i))
-                            staging = layout is None
-                            if sink_capacity(scheme) or staging:
-                                pools += pool_bytes(scheme, heads, d, torch.bfloat16, max_num_seqs, staging=staging)
+                            pools += pool_bytes(scheme, heads, d, torch.bfloat16, max_num_seqs, staging=False)
                         if layout is not None:
                             spec = with_tail(spec, layout.blocks)
                     specs[f"model.layers.{i}.self_attn.attn"] = spec
@@ -300,7 +296,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("capacity", help="KV tokens vLLM reports for the same KV memory")
     c.add_argument("--kv-gib", type=int, default=1)
-    c.add_argument("--max-num-seqs", type=int, default=4, help="running requests = kvarn pool slots per layer")
+    c.add_argument("--max-num-seqs", type=int, default=4, help="running requests = kvarn sink slots per layer")
     c.add_argument(
         "--dtypes",
         nargs="+",

@@ -1,5 +1,5 @@
-"""Unit tests of the kvarn vLLM backend pieces that need no engine: staging planner, step tensors,
-the layer forward's host work, the Triton ops' path, registration and page sizes."""
+"""Unit tests of the kvarn vLLM backend pieces that need no engine: step tensors, the layer forward's
+host work, the Triton ops' path, registration and page sizes."""
 
 from __future__ import annotations
 
@@ -16,92 +16,33 @@ pytest.importorskip("vllm")
 from kvarn.schemes import Scheme  # noqa: E402
 from kvarn.vllm.forward import run_layer  # noqa: E402
 from kvarn.vllm.sinks import SinkPool  # noqa: E402
-from kvarn.vllm.staging import StagingLostError, StagingPool  # noqa: E402
 from kvarn.vllm.step import StepTensors, build_step  # noqa: E402
+from kvarn.vllm.tail import Scratch, TailLayout, plan_tails, tail_layout  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 T = 32  # a small tile keeps these tests fast
-
-
-def test_planner_chunked_prefill_then_decode() -> None:
-    pool = StagingPool(num_slots=2, block_size=T)
-    # request 0: 40 new tokens in blocks [5, 6]: block 5 fills, 8 tokens stage in block 6
-    (p,) = pool.plan([0, 40], [40], [[5, 6]])
-    assert (p.ctx, p.read_slot, p.new_slot) == (0, -1, p.new_slot) and p.new_slot >= 0
-    slot = p.new_slot
-    assert pool.slot_of_block == {6: slot} and pool.fill[slot] == 8
-    # next chunk: 30 tokens: reads 8 staged tokens, block 6 fills (its slot keeps the full tile),
-    # 6 tokens stage in block 7
-    (p,) = pool.plan([0, 30], [70], [[5, 6, 7]])
-    assert (p.staged(T), p.read_slot) == (8, slot) and p.new_slot not in (-1, slot)
-    assert pool.fill == {slot: T, p.new_slot: 6}
-    # decode step: the same block keeps filling in the same slot
-    (q,) = pool.plan([0, 1], [71], [[5, 6, 7]])
-    assert (q.staged(T), q.read_slot, q.new_slot, pool.fill[q.read_slot]) == (6, p.new_slot, -1, 7)
-
-
-def test_planner_keeps_a_full_tile_for_a_rollback_and_reuses_it_later() -> None:
-    """Speculative decoding: a step completes tile 0 with draft tokens, the drafts are rejected and
-    the next step starts inside tile 0 again: its staged tokens are still in the slot."""
-    pool = StagingPool(num_slots=2, block_size=T)
-    pool.plan([0, 30], [30], [[5]])
-    (p,) = pool.plan([0, 4], [34], [[5, 6]])  # 1 token + 3 drafts: tile 0 completes, 2 tokens in block 6
-    (r,) = pool.plan([0, 4], [35], [[5, 6]])  # 2 drafts rejected: back at position 31
-    assert (r.staged(T), r.read_slot) == (31, p.read_slot)
-    pool.live.blocks = {6, 9}  # the request fills block 6 now
-    (n,) = pool.plan([0, 5], [5], [[9]])  # no free slot: the full tile's (block 5) is spare
-    assert n.new_slot == p.read_slot and set(pool.slot_of_block) == {6, 9} and not pool.lost
-
-
-def test_planner_reclaims_dead_blocks_before_live_ones_and_never_reads_lost_ones() -> None:
-    pool = StagingPool(num_slots=2, block_size=T)
-    pool.live.blocks = {3, 4}
-    pool.plan([0, 5], [5], [[3]])  # A stages 5 tokens in block 3
-    pool.plan([0, 5], [5], [[4]])  # B in block 4
-    pool.plan([0, 1], [6], [[4]])  # B used more recently
-    pool.live.blocks = {3, 8}  # B finished
-    (c,) = pool.plan([0, 5], [5], [[8]])  # C takes B's slot (dead), not A's (older but live)
-    assert set(pool.slot_of_block) == {3, 8} and not pool.lost
-    pool.live.blocks = {3, 8, 9}  # every staged block live
-    pool.plan([0, 5], [5], [[9]])  # D: only live slots left: A's (least recently used) is reclaimed
-    assert 3 in pool.lost
-    with pytest.raises(StagingLostError, match="reclaimed"):
-        pool.plan([0, 1], [6], [[3]])  # A comes back: an error, never stale tokens
-
-
-def test_prefill_step_hands_a_full_tile_slot_to_a_new_block_of_the_same_step() -> None:
-    """One slot: in a prefill step the slot of the tile completing is written only after attention,
-    so the remainder's new block may take it; in a decode step (writes before attention) it may not."""
-    pool = StagingPool(num_slots=1, block_size=T)
-    (p,) = pool.plan([0, 20], [20], [[5]])
-    (q,) = pool.plan([0, 20], [40], [[5, 6]], reuse_now=True)
-    assert q.read_slot == q.new_slot == p.new_slot
-    pool = StagingPool(num_slots=1, block_size=T)
-    pool.plan([0, 20], [20], [[5]])
-    with pytest.raises(StagingLostError, match="this step reads"):
-        pool.plan([0, 20], [40], [[5, 6]])
-
-
-def test_planner_dummy_requests_on_null_block() -> None:
-    pool = StagingPool(num_slots=1, block_size=T)
-    (p,) = pool.plan([0, 16], [16], [[0]])
-    assert p.dummy and not pool.slot_of_block
+CPU = torch.device("cpu")
 
 
 def test_step_tensors_cut_requests_into_tile_segments() -> None:
     """A 70-token chunk after 20 staged tokens spans tiles 0..2: three rows, each reading the tiles
-    before it; the staged tile's new tokens join its slot before attention, the new block's after."""
-    pool = StagingPool(2, T)
-    pool.plan([0, 20], [20], [[5]])
-    plans = pool.plan([0, 70], [90], [[5, 6, 7]], reuse_now=True)
-    table = torch.tensor([[5, 6, 7, 0]], dtype=torch.int32)
-    st = build_step(plans, table, T, sink_tile=False, has_sink=False, decode=False)
+    before it; the staged tile's 20 rows are loaded from the lookahead pages into scratch slot 0 and its
+    new tokens join them before attention; the new partial tile's tokens go to slot 1 after."""
+    layout = TailLayout(T, rows_per_page=T, blocks=1, head_dim=64, dtype=torch.float32)
+    plans, moves = plan_tails([0, 70], [90], [[5, 6, 7, 9]], layout, CPU)  # 3 tiles, then lookahead block 9
+    (p,) = plans
+    assert (p.ctx, p.read_slot, p.new_slot, moves.slots) == (20, 0, 1, 2)
+    assert moves.loads is not None and moves.loads[1].tolist() == list(range(20))  # staged rows 0..19 of tile 0
+    table = torch.tensor([[5, 6, 7, 9]], dtype=torch.int32)
+    st = build_step(plans, table, T, sink_tile=False, has_sink=False, decode=False, tail=moves, layout=layout)
     assert st.cu_seqlens.tolist() == [0, 12, 44, 70] and st.num_tiles.tolist() == [0, 1, 2]
     assert st.block_table.tolist() == [[0, 0], [5, 0], [5, 6]]
-    assert st.tail_lens.tolist() == [20, 0, 0] and st.tail_slot.tolist()[0] == plans[0].read_slot
+    assert st.tail_lens.tolist() == [20, 0, 0] and st.tail_slot.tolist()[0] == p.read_slot
     assert st.stage_pre is not None and st.stage_pre[0].tolist() == list(range(12))  # rows 20..31
     assert st.stage_post is not None and st.stage_post[0].tolist() == list(range(44, 70))
+    assert st.stage_post[1].unique().tolist() == [p.new_slot]
     assert st.full_blocks is not None and st.full_blocks.tolist() == [5, 6]
+    assert st.full_slots is not None and st.full_slots.tolist() == [p.read_slot]  # tile 0 whole from its slot
 
 
 def _guard(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -125,9 +66,11 @@ def _guard(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-def _steps(scheme: Scheme) -> list[tuple[list[int], list[int], list[list[int]]]]:
-    """(query starts, seq lens, block rows) of a prefill, a mixed and a decode step, two requests."""
-    rows = [[1, 2, 3], [4, 5, 6]]
+def _steps(scheme: Scheme, ahead: int) -> list[tuple[list[int], list[int], list[list[int]]]]:
+    """(query starts, seq lens, block rows) of a prefill, a mixed and a decode step, two requests of at
+    most 2 tiles, each holding ``ahead`` lookahead blocks."""
+    width = 2 + ahead
+    rows = [list(range(1, 1 + width)), list(range(1 + width, 1 + 2 * width))]
     return [([0, 40, 50], [40, 10], rows), ([0, 1, 26], [41, 35], rows), ([0, 1, 2], [42, 36], rows)]
 
 
@@ -135,28 +78,31 @@ def _run_steps(scheme: Scheme, ops: Any, guard: pytest.MonkeyPatch | None) -> li
     """Plan each step, build its tensors, then run one layer forward (under ``guard`` if given)."""
     torch.manual_seed(3)
     h, hq, d = 2, 4, 64
-    pages = torch.zeros(8, h, scheme.tile_bytes(d), dtype=torch.uint8)
-    stage = torch.zeros(3, h, T, d), torch.zeros(3, h, T, d)
+    layout = tail_layout(scheme, d, 1, torch.float32)
+    steps = _steps(scheme, layout.blocks)
+    pages = torch.zeros(1 + sum(len(r) for r in steps[0][2]), h, scheme.tile_bytes(d), dtype=torch.uint8)
+    scratch = Scratch()
     cap = T if scheme.sink_tile else scheme.sink_tokens
     sink = (torch.zeros(3, h, cap, d), torch.zeros(3, h, cap, d)) if cap else None
-    pool, sinks = StagingPool(3, T), SinkPool(3, cap, T) if cap else None
+    sinks = SinkPool(3, cap, T) if cap else None
     outs = []
-    for qsl, lens, rows in _steps(scheme):
+    for qsl, lens, rows in steps:
         n = qsl[-1]
         q, k, v = torch.randn(n, hq, d), torch.randn(n, h, d), torch.randn(n, h, d)
         decode = all(b - a == 1 for a, b in zip(qsl, qsl[1:], strict=False))
-        plans = pool.plan(
-            qsl, lens, [r[: (s + T - 1) // T] for r, s in zip(rows, lens, strict=True)], reuse_now=not decode
-        )
+        plans, moves = plan_tails(qsl, lens, rows, layout, CPU)
         if sinks is not None:
             sinks.plan(plans)
         table = torch.tensor(rows, dtype=torch.int32)
-        st: StepTensors = build_step(plans, table, T, sink_tile=scheme.sink_tile, has_sink=cap > 0, decode=decode)
+        st: StepTensors = build_step(
+            plans, table, T, sink_tile=scheme.sink_tile, has_sink=cap > 0, decode=decode,
+            tail=moves, layout=layout, scratch=scratch,
+        )  # fmt: skip
         out = torch.zeros(n, hq, d)
         with pytest.MonkeyPatch.context() as mp:
             if guard is not None:
                 _guard(mp)
-            run_layer(q, k, v, pages, stage, sink, st, scheme, 0.125, out, ops)
+            run_layer(q, k, v, pages, None, sink, st, scheme, 0.125, out, ops)
         outs.append(out)
     return outs
 
@@ -227,10 +173,10 @@ def test_page_bytes_and_pool_bytes() -> None:
     assert page_bytes(Scheme.from_name("kvarn_k4v2_g128_L0fp16"), 64, 30) == s.tile_bytes(64)
     mixed = Scheme.from_name("kvarn_k4v2_g128_L0-1k4v4")  # wider layers set the page size
     assert page_bytes(mixed, 64, 30) == Scheme(4, 4, 128).tile_bytes(64)
-    # SmolLM2 (3 KV heads, head_dim 64, bf16), 4 slots: staging 2 x 4 x 3 x 128 x 64 x 2 bytes per layer
-    assert pool_bytes(Scheme(4, 2, 128, sink_tokens=0), 3, 64, torch.bfloat16, 4) == 393216
-    assert pool_bytes(Scheme(4, 2, 128, sink_tokens=1), 3, 64, torch.bfloat16, 4) == 393216 + 3072
-    assert pool_bytes(Scheme(4, 2, 128, sink_tile=True), 3, 64, torch.bfloat16, 4) == 2 * 393216
+    # SmolLM2 (3 KV heads, head_dim 64, bf16), 4 sink slots of 2 x 3 x rows x 64 x 2 bytes per layer
+    assert pool_bytes(Scheme(4, 2, 128, sink_tokens=0), 3, 64, torch.bfloat16, 4, staging=False) == 0
+    assert pool_bytes(Scheme(4, 2, 128, sink_tokens=1), 3, 64, torch.bfloat16, 4, staging=False) == 3072
+    assert pool_bytes(Scheme(4, 2, 128, sink_tile=True), 3, 64, torch.bfloat16, 4, staging=False) == 128 * 3072
 
 
 def test_impl_and_builder_in_a_vllm_config(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,22 +16,27 @@ pytest.importorskip("vllm")
 
 from kvarn.schemes import Scheme  # noqa: E402
 from kvarn.vllm.sinks import SinkPool  # noqa: E402
-from kvarn.vllm.staging import LiveBlocks, RequestPlan, StagingPool  # noqa: E402
+from kvarn.vllm.staging import LiveBlocks, RequestPlan  # noqa: E402
+from kvarn.vllm.tail import TailLayout, plan_tails  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 T = 32  # a small tile keeps these tests fast
+LAYOUT = TailLayout(T, rows_per_page=T, blocks=1, head_dim=64, dtype=torch.float32)  # one lookahead block
+AHEAD = 1000  # lookahead block ids: past every block id a test names
 
 
 class Planner:
-    """The metadata builder's planning: staging, then sink slots, for one step."""
+    """The metadata builder's planning (:class:`kvarn.vllm.planner.Planner`): tails, then sink slots,
+    for one step."""
 
     def __init__(self, slots: int, capacity: int) -> None:
         self.live = LiveBlocks()  # the blocks live requests hold, as the engine publishes them
-        self.staging = StagingPool(slots, T, self.live)
         self.sinks = SinkPool(slots, capacity, T, self.live)
 
     def plan(self, qsl: list[int], lens: list[int], rows: list[list[int]]) -> list[RequestPlan]:
-        plans = self.staging.plan(qsl, lens, rows)
+        """``rows``: each request's tiles; its lookahead block is added as vLLM's block table has it."""
+        table = [row + [AHEAD + i] for i, row in enumerate(rows)]
+        plans, _ = plan_tails(qsl, lens, table, LAYOUT, torch.device("cpu"))
         self.sinks.plan(plans)
         return plans
 
@@ -83,7 +88,6 @@ def test_sink_slots_reclaimed_from_dead_requests_first() -> None:
 
 def test_sink_slots_at_the_bound_never_block_a_request() -> None:
     pl = Planner(1, capacity=2)
-    pl.staging = StagingPool(2, T, pl.live)  # staging is not under test: enough slots for two requests
     pl.live.first = {3, 4}
     a, b = pl.plan([0, 5, 10], [5, 5], [[3], [4]])  # two new requests in one step, one sink slot
     assert (a.sink_write, b.sink_slot, b.sink_write) == (2, -1, 0)  # B keeps no copies, but runs

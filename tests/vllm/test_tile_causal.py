@@ -17,27 +17,30 @@ from kvarn.codec import dequantize_tiles, quantize_tiles  # noqa: E402
 from kvarn.schemes import Scheme  # noqa: E402
 from kvarn.vllm.forward import run_layer  # noqa: E402
 from kvarn.vllm.sinks import SinkPool  # noqa: E402
-from kvarn.vllm.staging import StagingPool  # noqa: E402
 from kvarn.vllm.step import build_step  # noqa: E402
+from kvarn.vllm.tail import Scratch, plan_tails, tail_layout  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 T, H, HQ, D, SCALE = 32, 2, 4, 64, 0.125
 
 
 class Layer:
-    """One layer's pages and pools, planned and run the way the backend does it."""
+    """One layer's pages (packed tiles, and the requests' 16-bit tails in their lookahead blocks),
+    sink pool and scratch tiles, planned and run the way the backend does it
+    (:class:`kvarn.vllm.planner.StepPlanner`)."""
 
-    def __init__(self, scheme: Scheme, slots: int = 4, blocks: int = 24) -> None:
+    def __init__(self, scheme: Scheme, slots: int = 4, blocks: int = 40) -> None:
         self.scheme = scheme
         self.pages = torch.zeros(blocks, H, scheme.tile_bytes(D) + 8, dtype=torch.uint8)  # wider pages are fine
-        self.stage = torch.zeros(slots, H, T, D), torch.zeros(slots, H, T, D)
-        self.staging = StagingPool(slots, T)
+        self.layout = tail_layout(scheme, D, 1, torch.float32)
+        self.scratch = Scratch()
         cap = T if scheme.sink_tile else scheme.sink_tokens
         self.sinks = SinkPool(slots, cap, T) if cap else None
         self.sink = (torch.zeros(slots, H, cap, D), torch.zeros(slots, H, cap, D)) if cap else None
 
     def step(self, items: list[tuple[int, int, list[int]]], data: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
-        """``items``: (request, new tokens, block ids); ``data[request]``: its q, k, v. Returns outputs."""
+        """``items``: (request, new tokens, block ids: its tiles, then at least ``layout.blocks``
+        lookahead blocks); ``data[request]``: its q, k, v. Returns outputs."""
         qsl, lens, rows, qs, ks, vs = [0], [], [], [], [], []
         for r, n, row in items:
             done = self.done.get(r, 0)
@@ -50,16 +53,17 @@ class Layer:
             vs.append(v[done : done + n])
             self.done[r] = done + n
         decode = all(n == 1 for _, n, _ in items)
-        plans = self.staging.plan(qsl, lens, rows, reuse_now=not decode)
+        plans, moves = plan_tails(qsl, lens, rows, self.layout, torch.device("cpu"))
         if self.sinks is not None:
             self.sinks.plan(plans)
         width = max(len(r) for r in rows)
         table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
-        st = build_step(plans, table, T, sink_tile=self.scheme.sink_tile, has_sink=self.sink is not None, decode=decode)
+        st = build_step(
+            plans, table, T, sink_tile=self.scheme.sink_tile, has_sink=self.sink is not None, decode=decode,
+            tail=moves, layout=self.layout, scratch=self.scratch,
+        )  # fmt: skip
         out = torch.zeros(qsl[-1], HQ, D)
-        run_layer(
-            torch.cat(qs), torch.cat(ks), torch.cat(vs), self.pages, self.stage, self.sink, st, self.scheme, SCALE, out
-        )
+        run_layer(torch.cat(qs), torch.cat(ks), torch.cat(vs), self.pages, None, self.sink, st, self.scheme, SCALE, out)
         return [out[a:b] for a, b in zip(qsl, qsl[1:], strict=False)]
 
     done: dict[int, int]
@@ -101,14 +105,16 @@ def _run(scheme: Scheme, chunks: list[list[int]], total: list[int]) -> list[torc
     layer = Layer(scheme)
     layer.done = {}
     data = [_data(n, seed=r) for r, n in enumerate(total)]
-    rows = [[1 + 6 * r + i for i in range(6)] for r in range(len(total))]
+    width = 4 + layer.layout.blocks  # the tiles of the longest request (at most 4 here), then its lookahead
+    rows = [[1 + width * r + i for i in range(width)] for r in range(len(total))]
+    assert width * len(total) < layer.pages.shape[0]
     outs = [torch.zeros(n, HQ, D) for n in total]
     for step in chunks:
         items = []
         for r, c in enumerate(step):
             if c:
                 seq = layer.done.get(r, 0) + c
-                items.append((r, c, rows[r][: (seq + T - 1) // T]))
+                items.append((r, c, rows[r][: (seq + T - 1) // T + layer.layout.blocks]))
         starts = {r: layer.done.get(r, 0) for r, _, _ in items}
         for (r, c, _), o in zip(items, layer.step(items, data), strict=True):
             outs[r][starts[r] : starts[r] + c] = o
