@@ -75,6 +75,34 @@ class SinkPool:
         self.fill.pop(slot, None)
         return slot
 
+    def full_slot(self, first_block: int) -> int:
+        """The slot holding all ``capacity`` exact rows of the sequence whose first block is
+        ``first_block``; -1 if none."""
+        slot = self.slot_of_block.get(first_block, -1)
+        return slot if slot >= 0 and self.fill.get(slot, 0) >= self.capacity else -1
+
+    def adopt(self, first_block: int) -> int:
+        """A slot for the sequence whose first block is ``first_block``, marked full because the caller
+        is about to write all its rows (a KV connector loading them): the sequence's own slot, a free
+        one, or the least recently used slot of a sequence no live request holds. -1 when every slot
+        belongs to a live request (the sequence then reads its tile 0 quantized, as after a reclaimed
+        slot).
+
+        Called between steps, never while a planned step's tensors are in use: it takes no slot that a
+        live request keys.
+        """
+        slot = self.slot_of_block.get(first_block, -1)
+        if slot < 0:
+            live = self.live.first
+            busy = set(live) if live is not None else set(self.slot_of_block)
+            slot = self._claim(busy - {first_block})
+            if slot < 0:
+                return -1
+            self.slot_of_block[first_block] = slot
+        self.fill[slot] = self.capacity
+        self.last_step[slot] = self.step
+        return slot
+
     def plan(self, plans: list[RequestPlan]) -> None:
         """Set ``sink_slot``, ``sink_write`` and ``sink_read`` of this step's plans in place.
 

@@ -8,7 +8,8 @@ A request of ``N`` tokens holds (see ``docs/connectors.md``):
   entry ``k`` at row offset ``o`` (``layout.address(n, r)``), bytes ``o * row_bytes ..`` of each
   head's page (:mod:`kvarn.vllm.tail`);
 * its **sink rows**: the exact first ``capacity`` tokens, in the sink pool slot keyed by its first
-  block (:mod:`kvarn.vllm.sinks`).
+  block (:mod:`kvarn.vllm.sinks`; :meth:`~kvarn.vllm.sinks.SinkPool.full_slot` finds it,
+  :meth:`~kvarn.vllm.sinks.SinkPool.adopt` gives a loaded sequence one).
 
 Pages are one layer's ``[num_blocks, H, page_bytes]`` uint8; every function moves bytes as they
 are, so a record read here and written into another engine's pages of the same layout is the same KV.
@@ -19,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from kvarn.vllm.pools import Pool
-from kvarn.vllm.sinks import SinkPool
 from kvarn.vllm.tail import TailLayout
 
 
@@ -76,31 +76,3 @@ def write_sink(pool: Pool, slot: int, rows: torch.Tensor) -> None:
     """Fill slot ``slot`` of a layer's sink pool with ``rows`` ``[2, H, capacity, D]``."""
     pool[0][slot] = rows[0].to(pool[0].device, pool[0].dtype)
     pool[1][slot] = rows[1].to(pool[1].device, pool[1].dtype)
-
-
-def sink_slot(sinks: SinkPool, first_block: int) -> int:
-    """The slot holding all exact rows of the sequence whose first block is ``first_block``, -1 if none."""
-    slot = sinks.slot_of_block.get(first_block, -1)
-    return slot if slot >= 0 and sinks.fill.get(slot, 0) >= sinks.capacity else -1
-
-
-def adopt_sink(sinks: SinkPool, first_block: int) -> int:
-    """A slot for the sequence whose first block is ``first_block``, marked full (its rows are about to
-    be written by the caller): its own slot, a free one, or the least recently used slot of a
-    sequence no live request holds. Returns -1 when every slot belongs to a live request (the request
-    then reads its tile 0 quantized, as after a reclaimed slot).
-
-    Called between steps (never while a planned step's tensors are in use): it takes no slot that a
-    live request keys.
-    """
-    slot = sinks.slot_of_block.get(first_block, -1)
-    if slot < 0:
-        live = sinks.live.first
-        busy = set(live) if live is not None else set(sinks.slot_of_block)
-        slot = sinks._claim(busy - {first_block})
-        if slot < 0:
-            return -1
-        sinks.slot_of_block[first_block] = slot
-    sinks.fill[slot] = sinks.capacity
-    sinks.last_step[slot] = sinks.step
-    return slot

@@ -13,7 +13,7 @@ Enable it with ``kv_transfer_config={"kv_connector": "KvarnStorageConnector", "k
   sink rows of its first tokens are stored too. The load is asynchronous in vLLM's sense: the
   request waits one engine step while its records are written into its blocks and its sink rows
   into a sink slot, so that the step planning its first forward finds the slot filled
-  (:func:`~kvarn.vllm.connectors.carry.adopt_sink`) and reads every loaded token as the saving
+  (:meth:`~kvarn.vllm.sinks.SinkPool.adopt`) and reads every loaded token as the saving
   engine held it.
 
 Records move byte for byte, so the loading engine reads the saving engine's KV exactly (same model,
@@ -34,16 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvarn.vllm.connectors import NAME
-from kvarn.vllm.connectors.carry import (
-    adopt_sink,
-    read_sink,
-    read_tail,
-    read_tiles,
-    sink_slot,
-    write_sink,
-    write_tail,
-    write_tiles,
-)
+from kvarn.vllm.connectors.carry import read_sink, read_tail, read_tiles, write_sink, write_tail, write_tiles
 from kvarn.vllm.connectors.store import ROOT_KEY, RecordStore, namespace, tile_keys, token_hash
 from kvarn.vllm.context import context_of
 from kvarn.vllm.pools import sink_capacity
@@ -245,7 +236,7 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         sinks = getattr(ctx.planner, "sinks", None)
         # a first block held before the load (a local prefix-cache hit) keys its own sequence's sink rows;
         # a block allocated for the load may still key a finished sequence's slot: overwritten
-        held = not self.sink_rows or sinks is None or (first > 0 and sink_slot(sinks, tr.blocks[0]) >= 0)
+        held = not self.sink_rows or sinks is None or (first > 0 and sinks.full_slot(tr.blocks[0]) >= 0)
         sink = None if held else self.store.read("sink", token_hash(tokens[: self.sink_rows]))
         for name, layer in self._layers.items():
             if tiles:
@@ -254,7 +245,7 @@ class KvarnStorageConnector(KVConnectorBase_V1):
                 write_tail(layer.pages, ctx.layout, tr.blocks, n, tail[name][:rem])
         if sink is None or sinks is None:
             return
-        slot = adopt_sink(sinks, tr.blocks[0])
+        slot = sinks.adopt(tr.blocks[0])
         if slot < 0:  # as the engine's own sink pool under pressure: logged, tile 0 read quantized
             logger.warning("%s: no free sink slot for request %s; it reads its tile 0 quantized", NAME, tr.req_id)
             return
@@ -297,7 +288,7 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         if not self.sink_rows or sinks is None or len(tokens) < self.sink_rows:
             return
         sink_key = token_hash(tokens[: self.sink_rows])
-        slot = sink_slot(sinks, tr.blocks[0])
+        slot = sinks.full_slot(tr.blocks[0])
         if slot >= 0 and not store.has("sink", sink_key):
             store.write("sink", sink_key, {k: read_sink(x.impl.sink, slot) for k, x in self._layers.items()})
 
