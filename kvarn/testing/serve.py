@@ -1,9 +1,11 @@
 """``vllm serve`` started for a test or a tool: on a free loopback port, waited for, and stopped with
-every process it started."""
+every process it started; a server with ``KvarnStorageConnector`` in a role, and greedy completions
+with their logprobs over HTTP."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -13,8 +15,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvarn.testing.greedy import TOP, Greedy
 
 VLLM = Path(sys.executable).with_name("vllm")  # the console script next to this interpreter
 
@@ -75,3 +80,65 @@ def vllm_server(args: list[str], log: Path, env: dict[str, str] | None = None, r
         yield url
     finally:
         stop_group(proc)
+
+
+@contextlib.contextmanager
+def connector_server(
+    model: str,
+    kv_cache_dtype: str,
+    role: str,
+    store: Path,
+    log: Path,
+    *,
+    dtype: str = "auto",
+    max_model_len: int = 1024,
+    max_num_seqs: int = 4,
+    prefix_caching: bool = True,
+) -> Iterator[str]:
+    """``vllm serve MODEL`` with ``KvarnStorageConnector`` in ``role`` (``kv_producer``,
+    ``kv_consumer`` or ``kv_both``) over the record folder ``store``, block size 128, eager, 1 GiB
+    of KV space (``VLLM_CPU_KVCACHE_SPACE``) and the CPU settings of
+    ``kvarn.vllm.engine.cpu_engine``; yields its URL once ``/health`` answers (see
+    :func:`vllm_server`). Prompt token details are on, so that a completion reports the prompt
+    tokens it did not compute."""
+    transfer = {"kv_connector": "KvarnStorageConnector", "kv_role": role,
+                "kv_connector_extra_config": {"storage_path": str(store)}}  # fmt: skip
+    args = [model, "--kv-cache-dtype", kv_cache_dtype, "--block-size", "128", "--enforce-eager", "--dtype", dtype]
+    args += ["--gpu-memory-utilization", "0.3", "--max-model-len", str(max_model_len), "--seed", "0"]
+    args += ["--max-num-seqs", str(max_num_seqs), "--enable-prompt-tokens-details"]
+    args += ["--kv-transfer-config", json.dumps(transfer)]
+    args += [] if prefix_caching else ["--no-enable-prefix-caching"]
+    with vllm_server(args, log, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}) as url:
+        yield url
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A greedy completion over HTTP: its tokens with their top candidates, and the prompt tokens
+    the server did not compute (``usage.prompt_tokens_details.cached_tokens``: its prefix cache
+    and its KV connector)."""
+
+    greedy: Greedy
+    cached: int
+
+
+def complete(url: str, model: str, ids: list[int], max_tokens: int) -> Completion:
+    """``POST /v1/completions`` of the token ids ``ids``, greedy, ``max_tokens`` tokens, with the
+    top :data:`~kvarn.testing.greedy.TOP` logprobs per position as token ids."""
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "logprobs": TOP,
+            "return_tokens_as_token_ids": True}  # fmt: skip
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=900) as r:
+        out = json.load(r)
+    lp = out["choices"][0]["logprobs"]
+    tokens = [_token_id(t) for t in lp["tokens"]]
+    top = [{_token_id(t): float(v) for t, v in d.items()} for d in lp["top_logprobs"]]
+    details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+    return Completion(Greedy(tokens, top), int(details.get("cached_tokens") or 0))
+
+
+def _token_id(token: str) -> int:
+    """The id of a token that vLLM returns as ``token_id:N`` (``return_tokens_as_token_ids``)."""
+    return int(token.removeprefix("token_id:"))
