@@ -210,9 +210,15 @@ def run_one(cell: Cell, cache: str, dtype: str, work: Path) -> dict[str, Any]:
 
 
 def summary(result: dict[str, Any]) -> str:
-    """``6/6 exact``, ``5 exact, 1 near-tie``, with ``LEAK`` when the free blocks moved."""
+    """``6/6 exact``, ``5 exact, 1 near-tie (at token 3)``, with ``LEAK`` when the free blocks moved:
+    near-ties and wrong requests name the token (0..GEN-1) where each first differs from its solo run."""
     verdicts = [r["verdict"] for r in result["requests"]]
-    parts = [f"{verdicts.count(v)} {v}" for v in ("exact", "near-tie", "wrong") if verdicts.count(v)]
+    parts = []
+    for v in ("exact", "near-tie", "wrong"):
+        hits = [r for r in result["requests"] if r["verdict"] == v]
+        at = ", ".join(str(r["at"]) for r in hits if r["at"] is not None)
+        if hits:
+            parts.append(f"{len(hits)} {v}" + (f" (at token {at})" if at else ""))
     text = f"{len(verdicts)}/{len(verdicts)} exact" if verdicts.count("exact") == len(verdicts) else ", ".join(parts)
     free = result["free_blocks"]
     return text + ("" if free[0] == free[1] == free[2] else f"; LEAK free blocks {free}")
@@ -267,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         _result_path(args.work, cell, cache, dtype).write_text(json.dumps(result | {"model": cell.model}, indent=1))
         return 0
     runs = [(c, k, d) for d in dtypes for c in cells for k in caches]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # VLLM_CPU_KVCACHE_SPACE would replace each cell's KV memory (vLLM's CPU platform prefers it to
+    # kv_cache_memory_bytes): a preemption cell would get 1 GiB or more and never preempt
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     results = []
     for n, (cell, cache, dtype) in enumerate(runs, 1):
         out = _result_path(args.work, _cell(cell, args.model), cache, dtype)
