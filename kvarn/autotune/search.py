@@ -128,15 +128,17 @@ def sensitivity(config: TuneConfig, evaluator: EvaluatorLike, num_layers: int, c
 
     model_config = getattr(getattr(evaluator, "model", None), "config", None)
     if model_config is not None:
-        from kvarn.hf import cache_geometry
+        from kvarn.hf import SLIDING, cache_geometry
 
-        attention = set(cache_geometry(model_config).attention_layers)
+        geometry = cache_geometry(model_config)
+        # the layers the tuner's caches quantize: attention layers, but not sliding-window ones (16-bit)
+        quantized = {i for i in geometry.attention_layers if geometry.layer_types[i] != SLIDING}
     else:
-        attention = set(range(num_layers))
+        quantized = set(range(num_layers))
 
     def measure(s: Scheme) -> float:
-        if not any(s.for_layer(i) is not None for i in attention):
-            return 0.0  # a hybrid model's recurrent layer: nothing to quantize there, no pass needed
+        if not any(s.for_layer(i) is not None for i in quantized):
+            return 0.0  # a recurrent or sliding-window layer: its cache is exact, no pass needed
         r = evaluator.evaluate(s, greedy=False, max_tokens=config.sensitivity_tokens, progress=False)
         return float(r.kl)
 
