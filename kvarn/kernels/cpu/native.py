@@ -69,7 +69,10 @@ def _cpu_key() -> str:
 def _build(flags: tuple[str, ...]) -> ModuleType:
     here = Path(__file__).parent
     text = "\0".join((here / f).read_text() for f in (*SOURCES, *HEADERS))
-    key = hashlib.sha256("\0".join([text, *flags, torch.__version__, _cpu_key()]).encode()).hexdigest()[:16]
+    # the sources' folder is part of the key: ninja rebuilds a folder whose sources lie elsewhere, so two
+    # checkouts with the same sources would otherwise rebuild each other's extension on every load
+    parts = [str(here.resolve()), text, *flags, torch.__version__, _cpu_key()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     name = f"kvarn_cpu_{key}"
     target = build_dir() / name
     target.mkdir(parents=True, exist_ok=True)
