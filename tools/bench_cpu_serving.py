@@ -30,7 +30,7 @@ TOOLS = Path(__file__).resolve().parent
 if str(TOOLS) not in sys.path:  # the sibling modules import by name, also when this file is loaded by its path
     sys.path.insert(0, str(TOOLS))
 
-from bench_cpu_engine import bench_serve, bench_serve_prefill, serve_prefill_table, serve_table  # noqa: E402
+from bench_cpu_engine import MODELS, bench_serve, bench_serve_prefill, serve_prefill_table, serve_table  # noqa: E402
 from bench_cpu_ops import bench_ops, bench_prefill, bench_store, ops_table, prefill_table, store_table  # noqa: E402
 from doc_section import measuring_args, utc_stamp, write_section  # noqa: E402
 
@@ -62,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--doc", type=Path, default=DOC, help="markdown file whose section is replaced")
         p.add_argument("--no-doc", action="store_true", help="do not touch the markdown file")
         p.add_argument("--section", help="name of the doc section to replace (default: the subcommand)")
+    for name in ("serve", "prefill"):
+        sub.choices[name].add_argument("--model", choices=MODELS, default=MODELS[0])
+        sub.choices[name].add_argument(
+            "--model-dtype", default="auto", help="vLLM's --dtype of the model (auto: the folder's, bfloat16)"
+        )
     sub.choices["serve"].add_argument("--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128"])
     sub.choices["serve"].add_argument("--new-tokens", type=int, default=32)
     sub.choices["serve"].add_argument("--repeats", type=int, default=2, help="timed runs; the fastest counts")
@@ -82,10 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "threads", None):  # the one-layer benchmarks' --threads
         torch.set_num_threads(args.threads)
     if args.cmd == "serve":
-        rows = bench_serve(args.batches, args.contexts, args.dtypes, args.new_tokens, args.repeats)
+        rows = bench_serve(
+            args.batches, args.contexts, args.dtypes, args.new_tokens, args.repeats, args.model, args.model_dtype
+        )
         table = serve_table(rows)
     elif args.cmd == "prefill":
-        rows = bench_serve_prefill(args.batches, args.contexts, args.dtypes, args.repeats, args.chunk)
+        rows = bench_serve_prefill(
+            args.batches, args.contexts, args.dtypes, args.repeats, args.chunk, args.model, args.model_dtype
+        )
         table = serve_prefill_table(rows)
     elif args.cmd == "prefill-op":
         rows = bench_prefill(args.contexts, args.chunk, repeats=args.repeats)

@@ -38,6 +38,7 @@ TOOLS = Path(__file__).resolve().parent
 if str(TOOLS) not in sys.path:  # sibling modules import by name, also when this file is loaded by its path
     sys.path.insert(0, str(TOOLS))
 
+from bench_cpu_engine import MODELS  # noqa: E402
 from doc_section import measuring_args, utc_stamp, write_section  # noqa: E402
 
 DOC = TOOLS.parent / "docs" / "cpu_serving.md"
@@ -69,19 +70,26 @@ def split(prof: cProfile.Profile) -> dict[str, float]:
     return out
 
 
-def child(dtype: str, batch: int, context: int, new_tokens: int) -> dict[str, Any]:
+def child(
+    dtype: str,
+    batch: int,
+    context: int,
+    new_tokens: int,
+    model: str = "smollm2-135m",
+    model_dtype: str = "auto",
+    dump: Path | None = None,
+) -> dict[str, Any]:
     """Profile the three phases with one cache in this process (see module doc)."""
-    from bench_cpu_engine import _prompts
+    from bench_cpu_engine import _prompts, model_folder
     from vllm import SamplingParams
 
-    from kvarn.models import resolve_model
     from kvarn.vllm.engine import cpu_engine
 
-    model = str(resolve_model("smollm2-135m"))
+    model = model_folder(model)
     phases: dict[str, dict[str, float]] = {}
     with cpu_engine(
         model, dtype, max_model_len=context + new_tokens + 128, max_num_seqs=max(batch, 4),
-        max_num_batched_tokens=2048, enable_prefix_caching=True,
+        max_num_batched_tokens=2048, enable_prefix_caching=True, dtype=model_dtype,
     ) as llm:  # fmt: skip
         one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         llm.generate(_prompts(1, 256, model, first=3000), one, use_tqdm=False)  # warm-up
@@ -96,20 +104,32 @@ def child(dtype: str, batch: int, context: int, new_tokens: int) -> dict[str, An
             prof.enable()
             llm.generate(prompts, params, use_tqdm=False)
             prof.disable()
+            if dump is not None:  # for pstats: python -m pstats <dump>/<dtype>-<phase>.prof
+                dump.mkdir(parents=True, exist_ok=True)
+                prof.dump_stats(dump / f"{dtype}-{phase}.prof")
             phases[phase] = split(prof)
             print(f"{dtype} {phase}: {sum(phases[phase].values()):.2f} CPU s", file=sys.stderr, flush=True)
     phases["decode"] = {k: phases["decode"][k] - phases["hit"][k] for k in PARTS}
     return {"kv_cache_dtype": dtype, "batch": batch, "context": context, "new_tokens": new_tokens, "phases": phases}
 
 
-def run(dtypes: list[str], batch: int, context: int, new_tokens: int) -> list[dict[str, Any]]:
+def run(
+    dtypes: list[str],
+    batch: int,
+    context: int,
+    new_tokens: int,
+    model: str = "smollm2-135m",
+    model_dtype: str = "auto",
+    dump: Path | None = None,
+) -> list[dict[str, Any]]:
     """One fresh process per cache, one after the other; the rows of :func:`child`."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     rows = []
     for dtype in dtypes:
         cmd = [sys.executable, __file__, "--child", dtype, "--batch", str(batch), "--context", str(context)]
-        cmd += ["--new-tokens", str(new_tokens)]
+        cmd += ["--new-tokens", str(new_tokens), "--model", model, "--model-dtype", model_dtype]
+        cmd += ["--dump", str(dump)] if dump is not None else []
         done = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True)
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     return rows
@@ -140,15 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4, help="requests at once")
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens per request")
     parser.add_argument("--new-tokens", type=int, default=33, help="tokens generated in the decode phase")
+    parser.add_argument("--model", choices=MODELS, default=MODELS[0])
+    parser.add_argument("--model-dtype", default="auto", help="vLLM's --dtype of the model (auto: the folder's)")
+    parser.add_argument("--dump", type=Path, help="also write each phase's cProfile stats into this folder")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     parser.add_argument("--doc", type=Path, default=DOC, help="markdown file whose section is replaced")
     parser.add_argument("--no-doc", action="store_true", help="do not touch the markdown file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.batch, args.context, args.new_tokens)))
+        row = child(args.child, args.batch, args.context, args.new_tokens, args.model, args.model_dtype, args.dump)
+        print(json.dumps(row))
         return 0
-    rows = run(args.dtypes, args.batch, args.context, args.new_tokens)
+    rows = run(args.dtypes, args.batch, args.context, args.new_tokens, args.model, args.model_dtype, args.dump)
     text = table(rows)
     print(text)
     if args.json:
