@@ -2,7 +2,7 @@
 
 No loop over requests, no host synchronisation, no tensor built from Python lists. Partial tiles
 are read by slot id from the step's scratch tiles, loaded from the requests' tail pages
-(:mod:`kvarn.vllm.tail`; or from a slot pool a caller passes, :class:`kvarn.vllm.staging.StagingPool`);
+(:mod:`kvarn.vllm.tail`; or from a slot pool ``[slots, H, T, D]`` a caller passes);
 sink slots from the sink pool. The ops are the engine's :class:`~kvarn.kernels.api.AttentionOps`
 (:attr:`kvarn.vllm.context.EngineContext.ops`), over one
 :class:`~kvarn.kernels.api.PagedContext` per layer and step. Tiles are stored without the NaN check
@@ -105,7 +105,7 @@ def run_layer(
         stage = st.scratch.get(st.tail.slots, k, scheme.group_size)
         load_rows(pages, stage, st.tail, st.layout)
     if stage is None:
-        raise ValueError("kvarn: a staging pool or a step with paged tails is needed")
+        raise ValueError("kvarn: a slot pool or a step with paged tails is needed")
     _write(stage, k, v, st.stage_pre)
     if sink is not None:
         _write(sink, k, v, st.sink_writes)

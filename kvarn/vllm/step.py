@@ -12,11 +12,11 @@ segment only), then the segment's own keys causally. A step where every request 
 token (decode) gives one row per request to ``decode_attention`` instead, its new token written
 into the staging slot first and counted in ``tail_lens``.
 
-Order inside a layer (:func:`kvarn.vllm.forward.run_layer`): (1) ``pre`` writes into staging and
+Order inside a layer (:func:`kvarn.vllm.forward.run_layer`): (1) ``pre`` writes into scratch and
 sink slots, (2) tiles that became full are quantized into their pages (those whose first tokens
 were staged are read whole from their slot after (1)), (3) attention, (4) ``post`` writes: the
-tokens of new partial blocks in prefill steps, after attention, so that their slot may be one a
-segment of this step still reads (see :class:`kvarn.vllm.staging.StagingPool`).
+tokens of new partial blocks in prefill steps, after attention (with paged tails they reach the
+pages through the step's saves, :func:`kvarn.vllm.tail.save_rows`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class StepTensors:
     cu_seqlens: torch.Tensor  # [R + 1] int32 query offsets of the rows (unused in decode)
     block_table: torch.Tensor  # [R, W] int32 packed tiles each row reads
     num_tiles: torch.Tensor  # [R] int32
-    tail_slot: torch.Tensor  # [R] int32 tail slot read: a scratch tile (paged tails) or staging slot; 0 if no tail
+    tail_slot: torch.Tensor  # [R] int32 scratch tile read (or a caller's slot pool's slot); 0 if no tail
     tail_lens: torch.Tensor  # [R] int32
     sink_slot: torch.Tensor | None  # [R] int32 sink slot read (schemes with sinks)
     sink_lens: torch.Tensor | None  # [R] int32 exact rows read (0: tile 0 quantized, or still in the tail)
@@ -54,7 +54,7 @@ class StepTensors:
     full_slots: torch.Tensor | None  # [F1] int64 slots holding a tile that became full
     full_tokens: torch.Tensor | None  # [F2 * T] int64 tokens of tiles that became full without staging
     full_blocks: torch.Tensor | None  # [F1 + F2] int64 their pages, slot tiles first
-    # paged tails (kvarn.vllm.tail; None with a staging pool): the step's row traffic, the layout,
+    # paged tails (kvarn.vllm.tail; None with a caller's slot pool): the step's row traffic, the layout,
     # and the scratch tiles the slots above index
     tail: TailMoves | None = None
     layout: TailLayout | None = None
@@ -83,14 +83,14 @@ def build_step(
     """Turn a step's plans into :class:`StepTensors` on ``block_table``'s device.
 
     Args:
-        plans: from :meth:`StagingPool.plan` (and :meth:`SinkPool.plan` when ``has_sink``).
+        plans: from :func:`kvarn.vllm.tail.plan_tails` (and :meth:`SinkPool.plan` when ``has_sink``).
         block_table: ``[num_reqs, max_blocks]`` int32 vLLM's block table of the step's requests.
         group_size: tokens per tile (= vLLM block size).
         sink_tile: the scheme keeps the first tile 16-bit (rows read the sink, then tiles 1..).
         has_sink: the scheme keeps exact first tokens (sink tile or sink tokens).
         decode: every request has exactly one new token.
         tail, layout, scratch: with paged tails, the step's row traffic, the layout and the scratch
-            tiles its slots index (:mod:`kvarn.vllm.tail`); None with a staging pool.
+            tiles its slots index (:mod:`kvarn.vllm.tail`); None with a caller's slot pool.
     """
     t, dev = group_size, block_table.device
     cu, req, off, tiles, t_slot, t_len, s_slot, s_len = ([0], [], [], [], [], [], [], [])
