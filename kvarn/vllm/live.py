@@ -1,4 +1,4 @@
-"""Which blocks live requests hold, published every step for the sink pool (and a staging pool).
+"""Which blocks live requests hold, published every step for the sink pool.
 
 The model runner knows, for every request it holds, its block ids and ``num_computed_tokens``; the
 attention metadata builder sees only the requests scheduled in the step. :func:`publish` runs after
