@@ -48,9 +48,7 @@ def pools_mib(llm: Any) -> float:
     model = cfg.model_config
     scheme = get_preset(cfg.cache_config.cache_dtype).scheme
     heads = model.get_num_kv_heads(cfg.parallel_config)
-    per_layer = pool_bytes(
-        scheme, heads, model.get_head_size(), model.dtype, cfg.scheduler_config.max_num_seqs, staging=False
-    )
+    per_layer = pool_bytes(scheme, heads, model.get_head_size(), model.dtype, cfg.scheduler_config.max_num_seqs)
     layers = model.get_num_layers(cfg.parallel_config)
     types = layer_types(getattr(model, "hf_text_config", None) or model.hf_config)
     fp16 = set(fp16_layers(scheme, layers))
@@ -269,7 +267,7 @@ def defaults_llama3_8b(dtypes: list[str], kv_gib: int = 54, max_num_seqs: int = 
                         scheme = get_preset(name).scheme
                         if scheme.for_layer(i) is not None:
                             spec = packed_spec(base, scheme, layer_page_bytes(scheme, d, i))
-                            pools += pool_bytes(scheme, heads, d, torch.bfloat16, max_num_seqs, staging=False)
+                            pools += pool_bytes(scheme, heads, d, torch.bfloat16, max_num_seqs)
                         if layout is not None:
                             spec = with_tail(spec, layout.blocks)
                     specs[f"model.layers.{i}.self_attn.attn"] = spec

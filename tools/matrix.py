@@ -145,7 +145,7 @@ def _preempt_memory(folder: Path, kv_cache_dtype: str, dtype: str) -> int:
     scheme = Scheme.from_name(kv_cache_dtype)
     page = sum(scheme.for_layer(i).tile_bytes(head_dim) for i in range(layers)) * heads  # type: ignore[union-attr]
     tail = tail_layout(scheme, head_dim, layers, torch_dtype, max_rollback=3).blocks
-    pools = layers * pool_bytes(scheme, heads, head_dim, torch_dtype, 8, staging=False)
+    pools = layers * pool_bytes(scheme, heads, head_dim, torch_dtype, 8)
     return pools + (tiles + 1 + 2 * tail) * page
 
 

@@ -173,7 +173,7 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         ctx, h, d = self.ctx, self.num_kv_heads, self.head_size
         if ctx.sink_capacity:
             self.sink = zeros_pool(ctx.slots, h, ctx.sink_capacity, d, ctx.dtype, ctx.device)
-        ctx.reserve(pool_bytes(self.scheme, h, d, ctx.dtype, ctx.slots, staging=False))
+        ctx.reserve(pool_bytes(self.scheme, h, d, ctx.dtype, ctx.slots))
         self.allocated = True
 
     def layer_spec(self, spec: AttentionSpec, layer_name: str) -> AttentionSpec:

@@ -4,21 +4,18 @@ The model runner knows, for every request it holds, its block ids and ``num_comp
 attention metadata builder sees only the requests scheduled in the step. :func:`publish` runs after
 the runner's ``_update_states`` (at the start of every step, before the metadata is built:
 :func:`kvarn.vllm.patches.patch_update_states`) and fills the engine's
-:class:`~kvarn.vllm.staging.LiveBlocks` (:attr:`kvarn.vllm.context.EngineContext.live`):
-
-* ``blocks``: the block each live request fills next, ``block_ids[num_computed_tokens // block_size]``
-  (not its last block: with speculative decoding vLLM allocates blocks ahead, and a rejected draft
-  rolls a request back into a tile it had completed);
-* ``first``: each live request's first block (the key of its sink slot).
+:class:`~kvarn.vllm.staging.LiveBlocks` (:attr:`kvarn.vllm.context.EngineContext.live`) with
+``first``, each live request's first block (the key of its sink slot).
 
 Only the KV-cache groups that hold kvarn layers are read, each at its own block size: a model with
 sliding-window layers has further groups of vLLM's own cache, whose blocks (other ids, often
-32-token blocks) are no staging keys.
+32-token blocks) are no sink keys.
 
 A hybrid (Mamba / linear-attention) model gets attention blocks of several tiles (vLLM sizes them
 so that an attention page holds a Mamba state page); vLLM then splits each block into kernel blocks
 of one tile for the kvarn backend (``AttentionGroup.kernel_block_size``): kernel block ``j`` of block
-``b`` is ``b * stride + j``, and those are the ids the backend sees, so they are what is published.
+``b`` is ``b * stride + j``, and those are the ids the backend sees, so they are what is published
+(a first block as its kernel block 0).
 
 Preempted requests are not live: vLLM frees their blocks, and they recompute their tokens when they
 resume.
@@ -36,7 +33,7 @@ def kvarn_groups(runner: Any) -> list[tuple[int, int, int, int]]:
 
     Every group has its own block size (a sliding-window group of vLLM's own cache may use 32-token
     blocks beside kvarn's 128-token tiles) and its own block ids in ``req.block_ids[group]``; the
-    staging and sink pools key on kvarn blocks only. Cached on the runner per ``kv_cache_config``.
+    sink pool keys on kvarn blocks only. Cached on the runner per ``kv_cache_config``.
     Before the KV cache exists (no ``kv_cache_config``): group 0 at the configured block size.
     ``tile``: the kernel block size the kvarn backend sees (the block size unless vLLM splits blocks
     into kernel blocks); ``stride``: kernel block ids per block (kernel block ``j`` of block ``b`` is
@@ -74,16 +71,11 @@ def publish(runner: Any, scheduler_output: Any, live: LiveBlocks) -> None:
     preempted -= set(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
     preempted &= set(runner.requests)
     groups = kvarn_groups(runner)
-    blocks: set[int] = set()
     first: set[int] = set()
     for rid, req in runner.requests.items():
         if rid in preempted:
             continue
-        for g, size, tile, stride in groups:
-            if g >= len(req.block_ids) or not (ids := req.block_ids[g]):
-                continue
-            first.add(ids[0] * stride)
-            done = int(req.num_computed_tokens)
-            if done // size < len(ids):
-                blocks.add(ids[done // size] * stride + done % size // tile)
-    live.blocks, live.first = blocks, first
+        for g, _, _, stride in groups:
+            if g < len(req.block_ids) and (ids := req.block_ids[g]):
+                first.add(ids[0] * stride)
+    live.first = first

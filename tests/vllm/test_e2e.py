@@ -181,7 +181,7 @@ def _net_kv_tokens(key_bits: int, value_bits: int, sink_tokens: int = 0) -> int:
     from kvarn.vllm.pools import pool_bytes
 
     scheme = Scheme(key_bits, value_bits, TILE, sink_tokens=sink_tokens)
-    pools = 30 * pool_bytes(scheme, 3, 64, torch.bfloat16, 4, staging=False)
+    pools = 30 * pool_bytes(scheme, 3, 64, torch.bfloat16, 4)
     return (2**30 - pools) // (30 * 3 * scheme.tile_bytes(64)) * TILE
 
 
@@ -222,7 +222,7 @@ def test_d_user_sink_tile_preset_served_by_name(
         tokens = int(cfg.num_gpu_blocks) * int(cfg.block_size)
         out = llm.generate(prompt, sp, use_tqdm=False)[0]
         again = llm.generate(prompt, sp, use_tqdm=False)[0]
-    pools = 30 * pool_bytes(scheme, 3, 64, torch.bfloat16, 4, staging=False)  # 16-bit first tiles, 4 slots
+    pools = 30 * pool_bytes(scheme, 3, 64, torch.bfloat16, 4)  # 16-bit first tiles, 4 slots
     assert tokens == (2**30 - pools) // (30 * 3 * scheme.tile_bytes(64)) * 128
     assert len(out.outputs[0].token_ids) == 16 and re.search(r"[a-z]{3}", out.outputs[0].text)
     assert again.num_cached_tokens == 256 and again.outputs[0].token_ids == out.outputs[0].token_ids

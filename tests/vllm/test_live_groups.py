@@ -39,8 +39,8 @@ def _runner(groups: list[tuple[int, list[str]]] | None, requests: dict[str, Any]
 
 def test_publish_reads_kvarn_groups_at_their_own_block_size() -> None:
     """Gemma-3-like: group 0 the five sliding layers (32-token blocks, blocks outside the window
-    replaced by the null block 0), group 1 the kvarn layer (128-token tiles). A request that computed
-    150 tokens fills kvarn block 6 (tile 1); its sliding blocks are no staging keys."""
+    replaced by the null block 0), group 1 the kvarn layer (128-token tiles). A request whose kvarn
+    blocks are [5, 6] has first block 5; its sliding blocks are no sink keys."""
     from kvarn.vllm import live
     from kvarn.vllm.staging import LiveBlocks
 
@@ -51,35 +51,35 @@ def test_publish_reads_kvarn_groups_at_their_own_block_size() -> None:
     runner = _runner([(32, names[:5]), (128, names[5:])], {"a": req})
     live.publish(runner, SimpleNamespace(), published)
     assert live.kvarn_groups(runner) == [(1, 128, 128, 1)]
-    assert published.blocks == {6} and published.first == {5}
+    assert published.first == {5}
     # one group (every layer full attention): the same as before
     runner = _runner([(128, names)], {"a": SimpleNamespace(num_computed_tokens=300, block_ids=([4, 9, 2],))})
     live.publish(runner, SimpleNamespace(), published)
-    assert published.blocks == {2} and published.first == {4}
+    assert published.first == {4}
     # no KV cache yet: group 0 at the configured block size
     runner = _runner(None, {"a": SimpleNamespace(num_computed_tokens=10, block_ids=([7],))})
     live.publish(runner, SimpleNamespace(), published)
-    assert published.blocks == {7} and published.first == {7}
+    assert published.first == {7}
 
 
 def test_publish_names_kernel_blocks_of_a_hybrid_model() -> None:
     """A hybrid model's attention blocks hold several tiles (here 640 tokens = 5 tiles); vLLM hands
     kvarn kernel blocks of one tile, kernel block ``j`` of block ``b`` being ``b * stride + j``
     (stride 5, or vLLM's ``kernel_block_stride`` when pages of other layers sit between blocks).
-    A request that computed 900 tokens of blocks [3, 9] fills tile 2 of block 9."""
+    A request of blocks [3, 9] has first kernel block 3 x stride."""
     from kvarn.vllm import live
     from kvarn.vllm.staging import LiveBlocks
 
     published = LiveBlocks()
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
-    for stride, expected in ((0, 9 * 5 + 2), (7, 9 * 7 + 2)):
+    for stride in (0, 7):
         req = SimpleNamespace(num_computed_tokens=900, block_ids=([3, 9],))
         runner = _runner([(640, names)], {"a": req})
         runner.attn_groups = [[SimpleNamespace(layer_names=names, kernel_block_size=128, kernel_block_stride=stride)]]
         live.publish(runner, SimpleNamespace(), published)
         assert live.kvarn_groups(runner) == [(0, 640, 128, stride or 5)]
-        assert published.blocks == {expected} and published.first == {3 * (stride or 5)}
+        assert published.first == {3 * (stride or 5)}
 
 
 def test_kv_tokens_is_vllms_group_aware_capacity() -> None:

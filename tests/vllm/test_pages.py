@@ -99,7 +99,7 @@ def test_kv_tokens_are_the_byte_ratio(mixed_run: RunResult) -> None:
     scheme = _mixed()
     pages = [KV_HEADS * scheme.for_layer(i).tile_bytes(HEAD_DIM) for i in range(LAYERS)]
     assert len(set(pages)) == 3  # k2v2, k4v2, k4v3
-    pools = LAYERS * pool_bytes(scheme, KV_HEADS, HEAD_DIM, torch.bfloat16, 4, staging=False)
+    pools = LAYERS * pool_bytes(scheme, KV_HEADS, HEAD_DIM, torch.bfloat16, 4)
     assert mixed_run.kv_tokens == (2**30 - pools) // sum(pages) * TILE
     widest = (2**30 - pools) // (LAYERS * max(pages)) * TILE  # every page sized for the widest layer
     assert mixed_run.kv_tokens > widest * 1.07
@@ -163,7 +163,7 @@ def test_fp16_layers_served_by_vllms_cache(
     assert len(kvarn) == 28
     bf16_page = TILE * KV_HEADS * 2 * HEAD_DIM * 2  # 98,304 bytes: keys and values of 128 tokens
     pages = sum(KV_HEADS * scheme.for_layer(i).tile_bytes(HEAD_DIM) for i in kvarn) + 2 * bf16_page
-    pools = len(kvarn) * pool_bytes(scheme, KV_HEADS, HEAD_DIM, torch.bfloat16, 4, staging=False)
+    pools = len(kvarn) * pool_bytes(scheme, KV_HEADS, HEAD_DIM, torch.bfloat16, 4)
     assert fp16_run.kv_tokens == (2**30 - pools) // pages * TILE
     bf16 = 46592  # the default cache's KV tokens for the same 1 GiB (test_e2e.test_c)
     bits = served_bits(scheme, HEAD_DIM, LAYERS, torch.bfloat16)

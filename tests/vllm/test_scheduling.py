@@ -189,7 +189,7 @@ def crowd_run() -> dict[str, Any]:
     dtype = getattr(torch, ENGINE_DTYPE)
     scheme = Scheme.from_name(_scheme_name())
     page = scheme.tile_bytes(64) * 3 * 30  # SmolLM2: 3 KV heads, 30 layers
-    pools = 30 * pool_bytes(scheme, 3, 64, dtype, 4, staging=False)  # the sink pool only
+    pools = 30 * pool_bytes(scheme, 3, 64, dtype, 4)  # the sink pool only
     blocks = 2 * (3 + tail_layout(scheme, 64, 30, dtype, max_rollback=3).blocks) + 1
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     r: dict[str, Any] = {"expected_blocks": blocks}

@@ -157,7 +157,7 @@ def test_vllm_serve_answers_concurrent_requests(tmp_path: Path) -> None:
     slots = re.findall(r"(\d+) slots per layer", text)
     assert slots, "kvarn did not log its pools"
     scheme = get_scheme("kvarn_k4v2_g128")
-    pools = layers * pool_bytes(scheme, kv_heads, head_dim, torch.bfloat16, int(slots[-1]), staging=False)
+    pools = layers * pool_bytes(scheme, kv_heads, head_dim, torch.bfloat16, int(slots[-1]))
     assert re.search(r"each running request holds 5 blocks beyond its tiles", text), "no tail line"
     net = (2**30 - pools) // (layers * kv_heads * scheme.tile_bytes(head_dim)) * 128
     fp16 = 2**30 // (layers * kv_heads * 2 * 128 * head_dim * 2) * 128

@@ -49,7 +49,7 @@ def _net_tokens(num_kv_heads: int, layers: int = 2, head_dim: int = 64, slots: i
     from kvarn.vllm.pools import pool_bytes
 
     scheme = get_scheme("kvarn_k4v2_g128")
-    pools = layers * pool_bytes(scheme, num_kv_heads, head_dim, torch.bfloat16, slots, staging=False)
+    pools = layers * pool_bytes(scheme, num_kv_heads, head_dim, torch.bfloat16, slots)
     return (2**30 - pools) // (layers * num_kv_heads * scheme.tile_bytes(head_dim)) * 128
 
 
