@@ -209,7 +209,7 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         out = output.view(-1, self.num_heads, self.head_size)
         scheme = self._layer_scheme(layer)
         pages = kv_cache[:, :, 0, :]
-        run_layer(query, key, value, pages, None, self.sink, attn_metadata, scheme, self.scale, out, self.ops)
+        run_layer(query, key, value, pages, self.sink, attn_metadata, scheme, self.scale, out, self.ops)
         return output
 
 

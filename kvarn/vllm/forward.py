@@ -2,8 +2,7 @@
 
 No loop over requests, no host synchronisation, no tensor built from Python lists. Partial tiles
 are read by slot id from the step's scratch tiles, loaded from the requests' tail pages
-(:mod:`kvarn.vllm.tail`; or from a slot pool ``[slots, H, T, D]`` a caller passes);
-sink slots from the sink pool. The ops are the engine's :class:`~kvarn.kernels.api.AttentionOps`
+(:mod:`kvarn.vllm.tail`); sink slots from the sink pool. The ops are the engine's :class:`~kvarn.kernels.api.AttentionOps`
 (:attr:`kvarn.vllm.context.EngineContext.ops`), over one
 :class:`~kvarn.kernels.api.PagedContext` per layer and step. Tiles are stored without the NaN check
 of ``check_finite`` (a host sync per layer).
@@ -76,7 +75,6 @@ def run_layer(
     key: torch.Tensor,
     value: torch.Tensor,
     pages: torch.Tensor,
-    stage: Pool | None,
     sink: Pool | None,
     st: StepTensors,
     scheme: Scheme,
@@ -89,10 +87,10 @@ def run_layer(
     Args:
         query: ``[N, Hq, D]``; key, value: ``[N, H, D]`` (model dtype, unrotated; ``N >= st.num_tokens``).
         pages: ``[num_blocks, H, page_bytes]`` uint8 (``page_bytes >= scheme.tile_bytes(D)``).
-        stage: None with paged tails (the engines: the step's scratch tiles, loaded from and saved to
-            ``pages``, :mod:`kvarn.vllm.tail`), else a slot pool ``[num_slots, H, T, D]`` keys and values.
         sink: sink pool ``[num_sink_slots, H, S, D]`` keys and values (schemes with sinks), else None.
-        st: the step's tensors from the metadata builder.
+        st: the step's tensors from the metadata builder, with its tail moves: partial tiles are read
+            from ``pages`` into the step's scratch tiles and this step's rows saved back
+            (:mod:`kvarn.vllm.tail`).
         scheme: this layer's scheme (no per-layer overrides).
         scale: softmax scale.
         out: ``[N, Hq, D]``; rows ``0..st.num_tokens-1`` are written.
@@ -100,12 +98,10 @@ def run_layer(
     """
     n = st.num_tokens
     q, k, v, o = query[:n], key[:n], value[:n], out[:n]
-    if st.tail is not None:  # paged tails: the step's scratch tiles, their staged rows read from pages
-        assert st.layout is not None and st.scratch is not None
-        stage = st.scratch.get(st.tail.slots, k, scheme.group_size)
-        load_rows(pages, stage, st.tail, st.layout)
-    if stage is None:
-        raise ValueError("kvarn: a slot pool or a step with paged tails is needed")
+    if st.tail is None or st.layout is None or st.scratch is None:
+        raise ValueError("kvarn: a step without tail moves (build_step's tail, layout and scratch)")
+    stage = st.scratch.get(st.tail.slots, k, scheme.group_size)  # the staged rows, read from pages
+    load_rows(pages, stage, st.tail, st.layout)
     _write(stage, k, v, st.stage_pre)
     if sink is not None:
         _write(sink, k, v, st.sink_writes)
@@ -122,8 +118,4 @@ def run_layer(
         ops.decode_attention(q, ctx, out=o)
     else:
         ops.prefill_attention(q, k, v, st.cu_seqlens, ctx, max_query_len=st.max_query_len, out=o)
-    if st.tail is not None:
-        assert st.layout is not None
-        save_rows(pages, k, v, st.tail, st.layout)
-    else:
-        _write(stage, k, v, st.stage_post)
+    save_rows(pages, k, v, st.tail, st.layout)

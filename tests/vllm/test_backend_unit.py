@@ -102,7 +102,7 @@ def _run_steps(scheme: Scheme, ops: Any, guard: pytest.MonkeyPatch | None) -> li
         with pytest.MonkeyPatch.context() as mp:
             if guard is not None:
                 _guard(mp)
-            run_layer(q, k, v, pages, None, sink, st, scheme, 0.125, out, ops)
+            run_layer(q, k, v, pages, sink, st, scheme, 0.125, out, ops)
         outs.append(out)
     return outs
 

@@ -63,7 +63,7 @@ class Layer:
             tail=moves, layout=self.layout, scratch=self.scratch,
         )  # fmt: skip
         out = torch.zeros(qsl[-1], HQ, D)
-        run_layer(torch.cat(qs), torch.cat(ks), torch.cat(vs), self.pages, None, self.sink, st, self.scheme, SCALE, out)
+        run_layer(torch.cat(qs), torch.cat(ks), torch.cat(vs), self.pages, self.sink, st, self.scheme, SCALE, out)
         return [out[a:b] for a, b in zip(qsl, qsl[1:], strict=False)]
 
     done: dict[int, int]

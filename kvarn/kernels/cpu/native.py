@@ -46,7 +46,7 @@ INDEX_ERRORS = {
     1: "num_tiles must be in 0..block_table.shape[1]",
     2: "block_table[b, :num_tiles[b]] must hold block ids in 0..num_blocks-1",
     3: "tail_lens must be in 0..group_size",
-    4: "tail_slot must hold indices into the staging pool",
+    4: "tail_slot must hold indices into the tail tiles",
     5: "sink_slot must hold indices into the sink pool",
 }
 
