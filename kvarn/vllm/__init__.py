@@ -8,7 +8,7 @@ Modules: ``plugin`` (registration), ``registry`` (dtype name -> Scheme, the plug
 ``context`` (one engine's resolved preset and shared state, which every other part receives),
 ``admission`` (which models are served), ``patches`` (the vLLM seam), ``compat`` (0.32 / 0.33
 differences), ``pages`` (page sizes), ``backend`` and ``mla`` (the attention backends), ``planner``,
-``staging`` (a request's plan of a step), ``sinks``, ``step`` (a step's slots and tensors), ``forward`` (a layer's op launches),
-``tail`` (partial tiles in tail blocks), ``live``, ``pools``, ``engine`` (a CPU ``vllm.LLM`` for
-tools and tests).
+``staging`` (a request's plan of a step), ``sinks``, ``step`` (a step's slots and tensors),
+``forward`` (a layer's op launches), ``tail`` (partial tiles in tail blocks), ``live``, ``pools``,
+``engine`` (a CPU ``vllm.LLM`` for tools and tests).
 """
