@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -139,3 +140,14 @@ def test_realistic_model_flops_ratio() -> None:
     model = load_tool("realistic_model")
     assert model.flops_per_kv_element(model.LLAMA_3_2_1B) == 118784
     assert model.flops_per_kv_element(model.SMOLLM2) == 18432
+
+
+def test_kv_gib_for_parses_and_names_a_bad_item(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.parse_kv_gib_for(["auto=2", "kvarn_k4v2_g128=0.5"]) == {"auto": 2.0, "kvarn_k4v2_g128": 0.5}
+    assert bench.parse_kv_gib_for([]) == {}
+    for bad in ["auto", "auto=", "=2", "auto=x", "auto=0", "auto=-1"]:
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
+            bench.parse_kv_gib_for([bad])
+    with pytest.raises(SystemExit):
+        bench.main(["--kv-gib-for", "auto=two", "--no-doc"])
+    assert "'auto=two'" in capsys.readouterr().err

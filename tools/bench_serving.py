@@ -276,12 +276,13 @@ def run(
     bench_timeout_s: float = 3600,
     log_dir: Path | None = None,
     on_row: Callable[[list[dict[str, Any]]], None] | None = None,
+    kv_gib_for: dict[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (repeat, cache, workload), in the order run (see module doc); ``on_row`` is called
-    with the rows so far after each one (a run cut short keeps what it measured)."""
+    with the rows so far after each one (a run cut short keeps what it measured). ``kv_gib_for`` gives
+    some caches other KV memory than ``kv_gib``."""
     folder = model_folder(model, layers)
     label = model if model == "smollm2-135m" else f"{model} ({layers} layers)"
-    kv_bytes = int(kv_gib * 2**30)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         logs = log_dir or Path(tmp)
@@ -289,8 +290,9 @@ def run(
         order = run_order(caches, repeats)
         for i, (rep, cache) in enumerate(order):
             slog = logs / f"serve-{model}-{cache}-{rep}.log"
+            gib = (kv_gib_for or {}).get(cache, kv_gib)
             t0 = time.monotonic()
-            with server(folder, model, cache, kv_bytes, slog, serve_args or []) as url:
+            with server(folder, model, cache, int(gib * 2**30), slog, serve_args or []) as url:
                 start_s = time.monotonic() - t0
                 _warm_up(url, model)
                 for w in workloads:
@@ -307,7 +309,7 @@ def run(
                         "num_prompts": w.num_prompts, "input_len": w.input_len, "output_len": w.output_len,
                         "prefix_len": w.prefix_len, "max_concurrency": w.max_concurrency,
                         **parse_result(json.loads((logs / name).read_text())),
-                        "kv_tokens": kv_tokens_from_log(log), "peak_running": peak_running(log[offset:]),
+                        "kv_gib": gib, "kv_tokens": kv_tokens_from_log(log), "peak_running": peak_running(log[offset:]),
                         **dict(zip(LOG_PEAKS, peak_throughput(log[offset:]), strict=True)),
                         "preemptions": preemptions_from_metrics(_get(f"{url}/metrics")) - before,
                         "server_start_s": round(start_s, 1),
@@ -449,6 +451,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-len", type=int, help="shared prefix of shared-prefix (default 2048)")
     p.add_argument("--repeats", type=int, default=1, help="servers per cache, alternating A B B A ...")
     p.add_argument("--kv-gib", type=float, default=1.0, help="KV memory per server in GiB (default 1)")
+    p.add_argument(
+        "--kv-gib-for",
+        action="append",
+        default=[],
+        metavar="CACHE=GIB",
+        help="KV memory of one cache instead of --kv-gib (repeatable); e.g. auto=2 gives a float32 model's "
+        "32-bit default cache the KV tokens of a 16-bit cache in 1 GiB",
+    )
+    p.add_argument("--section", help="doc section name (default: the model's, serving:MODEL)")
     p.add_argument("--serve-arg", action="append", default=[], help="extra `vllm serve` argument (repeatable)")
     p.add_argument("--bench-timeout", type=float, default=3600, help="seconds a `vllm bench serve` run may take")
     p.add_argument("--json", type=Path, help="write the rows and the summary as JSON here")
@@ -457,11 +468,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-doc", action="store_true", help="do not touch the markdown file")
     p.add_argument("--from-json", type=Path, help="run nothing: table and doc section from a --json file")
     a = p.parse_args(argv)
+    try:
+        kv_gib_for = parse_kv_gib_for(a.kv_gib_for)
+    except ValueError as e:
+        p.error(str(e))
     if a.from_json:
         saved = json.loads(a.from_json.read_text())
         rows, rev, where, when, argv = saved["rows"], saved["commit"], saved["machine"], saved["date"], saved["argv"]
         model = next(m for m in MODELS if rows[0]["model"].startswith(m))
-        return report(rows, argv, when, where, rev, None if a.no_doc else a.doc, model)
+        return report(rows, argv, when, where, rev, None if a.no_doc else a.doc, a.section or model)
     loads = [
         scaled(WORKLOADS[n], a.num_prompts, a.input_len, a.output_len, a.latency_prompts, a.prefix_len)
         for n in a.workloads
@@ -474,14 +489,32 @@ def main(argv: list[str] | None = None) -> int:
             a.json.write_text(json.dumps({"commit": rev, "machine": where, "date": when, "argv": argv, "rows": rows,
                                           "summary": summarize(rows)}, indent=1))  # fmt: skip
 
-    rows = run(a.model, a.caches, loads, a.repeats, a.kv_gib, a.layers, a.serve_arg, a.bench_timeout, a.log_dir, save)
-    return report(rows, argv, when, where, rev, None if a.no_doc else a.doc, a.model)
+    rows = run(
+        a.model, a.caches, loads, a.repeats, a.kv_gib, a.layers, a.serve_arg, a.bench_timeout, a.log_dir, save,
+        kv_gib_for,
+    )  # fmt: skip
+    return report(rows, argv, when, where, rev, None if a.no_doc else a.doc, a.section or a.model)
+
+
+def parse_kv_gib_for(items: list[str]) -> dict[str, float]:
+    """``["auto=2", ...]`` -> ``{"auto": 2.0}``; raises ValueError naming a bad item."""
+    out: dict[str, float] = {}
+    for item in items:
+        cache, sep, gib = item.partition("=")
+        try:
+            value = float(gib)
+        except ValueError:
+            value = -1.0
+        if not sep or not cache or not value > 0:
+            raise ValueError(f"--kv-gib-for {item!r}: expected CACHE=GIB with GIB > 0, e.g. auto=2")
+        out[cache] = value
+    return out
 
 
 def report(
     rows: list[dict[str, Any]], argv: list[str], when: str, where: str, rev: str, doc: Path | None, model: str
 ) -> int:
-    """Print the table of ``rows`` and replace the model's section of ``doc`` (None: leave it)."""
+    """Print the table of ``rows`` and replace section ``serving:<model>`` of ``doc`` (None: leave it)."""
     summary = summarize(rows)
     print(table(summary))
     if doc is not None:
