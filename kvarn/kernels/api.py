@@ -102,10 +102,13 @@ class AttentionOps(Protocol):
         *,
         max_query_len: int | None = None,
         out: torch.Tensor | None = None,
+        decode_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of new tokens over ``ctx`` plus themselves: ``query`` ``[N, Hq, D]``,
         ``key``/``value`` ``[N, H, D]`` packed by sequence at ``cu_seqlens_q`` ``[B + 1]`` int32;
-        ``max_query_len`` bounds any sequence's new tokens. Returns ``[N, Hq, D]``."""
+        ``max_query_len`` bounds any sequence's new tokens; ``decode_rows`` ``[B]`` bool (host, or
+        None: unknown) marks the sequences whose new tokens follow their prompt, which a backend may
+        attend as decode rows. Returns ``[N, Hq, D]``."""
         ...
 
     def store_tiles(

@@ -117,5 +117,7 @@ def run_layer(
     if st.decode:
         ops.decode_attention(q, ctx, out=o)
     else:
-        ops.prefill_attention(q, k, v, st.cu_seqlens, ctx, max_query_len=st.max_query_len, out=o)
+        ops.prefill_attention(
+            q, k, v, st.cu_seqlens, ctx, max_query_len=st.max_query_len, out=o, decode_rows=st.decode_rows
+        )
     save_rows(pages, k, v, st.tail, st.layout)

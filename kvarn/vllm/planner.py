@@ -76,6 +76,7 @@ class Planner(Generic[StepT]):
     def writes(self, plans: list[RequestPlan], m: CommonAttentionMetadata, decode: bool) -> StepTensors:
         """The :class:`StepTensors` of planned requests on the device of ``m``'s block table."""
         table = m.block_table_tensor[: m.num_reqs]
+        prefilling = m.is_prefilling[: m.num_reqs].tolist() if m.is_prefilling is not None else None
         return build_step(
             plans,
             table,
@@ -83,6 +84,7 @@ class Planner(Generic[StepT]):
             sink_tile=self.scheme.sink_tile,
             has_sink=self.sinks is not None,
             decode=decode,
+            prefilling=prefilling,
             tail=self.moves,
             layout=self.layout,
             scratch=self.scratch,

@@ -54,6 +54,9 @@ class StepTensors:
     full_slots: torch.Tensor | None  # [F1] int64 slots holding a tile that became full
     full_tokens: torch.Tensor | None  # [F2 * T] int64 tokens of tiles that became full without staging
     full_blocks: torch.Tensor | None  # [F1 + F2] int64 their pages, slot tiles first
+    # [R] bool (host): rows of requests past their prompt, which the CPU ops attend as decode rows when
+    # short (kvarn.kernels.cpu.ops.prefill_attention); None when the step's metadata does not say
+    decode_rows: torch.Tensor | None = None
     # paged tails (kvarn.vllm.tail; None with a caller's slot pool): the step's row traffic, the layout,
     # and the scratch tiles the slots above index
     tail: TailMoves | None = None
@@ -76,6 +79,7 @@ def build_step(
     sink_tile: bool,
     has_sink: bool,
     decode: bool,
+    prefilling: list[bool] | None = None,
     tail: TailMoves | None = None,
     layout: TailLayout | None = None,
     scratch: Scratch | None = None,
@@ -89,6 +93,8 @@ def build_step(
         sink_tile: the scheme keeps the first tile 16-bit (rows read the sink, then tiles 1..).
         has_sink: the scheme keeps exact first tokens (sink tile or sink tokens).
         decode: every request has exactly one new token.
+        prefilling: per request, whether its new tokens are (or end) its prompt (vLLM's
+            ``is_prefilling``); None: not known, and the CPU ops pick decode rows by their length.
         tail, layout, scratch: with paged tails, the step's row traffic, the layout and the scratch
             tiles its slots index (:mod:`kvarn.vllm.tail`); None with a caller's slot pool.
     """
@@ -152,12 +158,13 @@ def build_step(
     def i32(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int32).to(dev, non_blocking=True)
 
+    req_idx = torch.tensor(req, dtype=torch.long)
     n_tiles = torch.tensor(tiles, dtype=torch.long)
     width = max(max(tiles, default=0), 1)
     cols = torch.tensor(off, dtype=torch.long)[:, None] + torch.arange(width)[None, :]
     valid = torch.arange(width)[None, :] < n_tiles[:, None]
     cols = torch.where(valid, cols, 0).clamp_max(block_table.shape[1] - 1)
-    rows = torch.tensor(req, dtype=torch.long)[:, None].expand_as(cols)
+    rows = req_idx[:, None].expand_as(cols)
     table = block_table[rows.to(dev), cols.to(dev)].to(torch.int32)
     table = torch.where(valid.to(dev), table, 0)
     blocks = f_blocks + f_blocks_tok
@@ -165,6 +172,7 @@ def build_step(
         num_tokens=cu[-1],
         max_query_len=max((b - a for a, b in zip(cu, cu[1:], strict=False)), default=0),
         decode=decode,
+        decode_rows=None if prefilling is None else ~torch.tensor(prefilling, dtype=torch.bool)[req_idx],
         cu_seqlens=i32(cu),
         block_table=table,
         num_tiles=i32(tiles),

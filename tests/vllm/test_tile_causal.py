@@ -29,16 +29,31 @@ class Layer:
     sink pool and scratch tiles, planned and run the way the backend does it
     (:class:`kvarn.vllm.planner.StepPlanner`)."""
 
-    def __init__(self, scheme: Scheme, slots: int = 4, blocks: int = 40) -> None:
+    def __init__(
+        self,
+        scheme: Scheme,
+        slots: int = 4,
+        blocks: int = 40,
+        dtype: torch.dtype = torch.float32,
+        prompts: list[int] | None = None,
+    ) -> None:
+        """``prompts``: each request's prompt length, to tell the planner which new tokens follow
+        a prompt (vLLM's ``is_prefilling``); None: not told."""
         self.scheme = scheme
+        self.dtype = dtype
+        self.prompts = prompts
         self.pages = torch.zeros(blocks, H, scheme.tile_bytes(D) + 8, dtype=torch.uint8)  # wider pages are fine
-        self.layout = tail_layout(scheme, D, 1, torch.float32)
+        self.layout = tail_layout(scheme, D, 1, dtype)
         self.scratch = Scratch()
         cap = T if scheme.sink_tile else scheme.sink_tokens
         self.sinks = SinkPool(slots, cap, T) if cap else None
-        self.sink = (torch.zeros(slots, H, cap, D), torch.zeros(slots, H, cap, D)) if cap else None
+        self.sink = (
+            (torch.zeros(slots, H, cap, D, dtype=dtype), torch.zeros(slots, H, cap, D, dtype=dtype)) if cap else None
+        )
 
-    def step(self, items: list[tuple[int, int, list[int]]], data: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+    def step(
+        self, items: list[tuple[int, int, list[int]]], data: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    ) -> list[torch.Tensor]:
         """``items``: (request, new tokens, block ids: its tiles, then at least ``layout.blocks``
         lookahead blocks); ``data[request]``: its q, k, v. Returns outputs."""
         qsl, lens, rows, qs, ks, vs = [0], [], [], [], [], []
@@ -53,6 +68,8 @@ class Layer:
             vs.append(v[done : done + n])
             self.done[r] = done + n
         decode = all(n == 1 for _, n, _ in items)
+        prompts = self.prompts
+        prefilling = None if prompts is None else [self.done[r] - n < prompts[r] for r, n, _ in items]
         plans, moves = plan_tails(qsl, lens, rows, self.layout, torch.device("cpu"))
         if self.sinks is not None:
             self.sinks.plan(plans)
@@ -60,9 +77,9 @@ class Layer:
         table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
         st = build_step(
             plans, table, T, sink_tile=self.scheme.sink_tile, has_sink=self.sink is not None, decode=decode,
-            tail=moves, layout=self.layout, scratch=self.scratch,
+            prefilling=prefilling, tail=moves, layout=self.layout, scratch=self.scratch,
         )  # fmt: skip
-        out = torch.zeros(qsl[-1], HQ, D)
+        out = torch.zeros(qsl[-1], HQ, D, dtype=self.dtype)
         run_layer(torch.cat(qs), torch.cat(ks), torch.cat(vs), self.pages, self.sink, st, self.scheme, SCALE, out)
         return [out[a:b] for a, b in zip(qsl, qsl[1:], strict=False)]
 
@@ -95,20 +112,33 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme: Scheme
     return out
 
 
-def _data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _data(n: int, seed: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, HQ, D, generator=g), torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)
+    q, k, v = (torch.randn(n, h, D, generator=g).to(dtype) for h in (HQ, H, H))
+    return q, k, v
 
 
 def _run(scheme: Scheme, chunks: list[list[int]], total: list[int]) -> list[torch.Tensor]:
-    """Requests of ``total`` tokens fed by steps of ``chunks`` (new tokens per request, 0: absent)."""
+    """Requests of ``total`` tokens fed by steps of ``chunks`` (new tokens per request, 0: absent),
+    each checked against the tile-causal reference (float32)."""
     layer = Layer(scheme)
+    outs, data = _serve(layer, chunks, total)
+    for r in range(len(total)):
+        torch.testing.assert_close(outs[r], _reference(*data[r], scheme), atol=3e-5, rtol=1e-4)
+    return outs
+
+
+def _serve(
+    layer: Layer, chunks: list[list[int]], total: list[int]
+) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Outputs of requests of ``total`` tokens (request ``r``'s data seeded by ``r``, in the layer's
+    dtype) fed by steps of ``chunks``, and their data."""
     layer.done = {}
-    data = [_data(n, seed=r) for r, n in enumerate(total)]
+    data = [_data(n, seed=r, dtype=layer.dtype) for r, n in enumerate(total)]
     width = 4 + layer.layout.blocks  # the tiles of the longest request (at most 4 here), then its lookahead
     rows = [[1 + width * r + i for i in range(width)] for r in range(len(total))]
     assert width * len(total) < layer.pages.shape[0]
-    outs = [torch.zeros(n, HQ, D) for n in total]
+    outs = [torch.zeros(n, HQ, D, dtype=layer.dtype) for n in total]
     for step in chunks:
         items = []
         for r, c in enumerate(step):
@@ -118,10 +148,8 @@ def _run(scheme: Scheme, chunks: list[list[int]], total: list[int]) -> list[torc
         starts = {r: layer.done.get(r, 0) for r, _, _ in items}
         for (r, c, _), o in zip(items, layer.step(items, data), strict=True):
             outs[r][starts[r] : starts[r] + c] = o
-    for r, n in enumerate(total):
-        assert layer.done[r] == n
-        torch.testing.assert_close(outs[r], _reference(*data[r], scheme), atol=3e-5, rtol=1e-4)
-    return outs
+    assert [layer.done[r] for r in range(len(total))] == total
+    return outs, data
 
 
 # explicit fields: built-in names may change their sink default
@@ -151,3 +179,33 @@ def test_outputs_do_not_depend_on_chunking() -> None:
     c = _run(scheme, [[30], *[[1]] * 42], [72])
     torch.testing.assert_close(a[0], b[0], atol=2e-5, rtol=0)
     torch.testing.assert_close(a[0], c[0], atol=2e-5, rtol=0)
+
+
+# request 0: a 100-token prompt (tiles 0-2 full, 4 tokens in tile 3), then 8 tokens past it; requests 1
+# and 2 (prompts of 70 and 40 tokens) share its steps
+PROMPTS = [100, 70, 40]
+ALONE = [[64], [36], *[[1]] * 8]
+COMPOSITIONS = {
+    "a short last chunk": [[40], [50], [10], *[[1]] * 8],
+    "a chunk that ends 3 tokens into a tile": [[67], [33], *[[1]] * 8],
+    "chunks of other widths beside other prompts": [[30, 40, 0], [44, 30, 0], [26, 0, 40], *[[1, 1, 0]] * 8],
+    "decode tokens beside prefill chunks": [[64, 0, 0], [36, 0, 0], [1, 50, 0], [1, 20, 17], [1, 1, 23], *[[1]] * 5],
+    "verified in segments past the prompt": [[100], [3, 40], [1, 30], [4, 0]],
+}
+
+
+@pytest.mark.parametrize(
+    "scheme", [Scheme(4, 2, T, sink_tokens=1), Scheme(4, 2, T, sink_tile=True)], ids=lambda s: s.name
+)
+@pytest.mark.parametrize("steps", list(COMPOSITIONS.values()), ids=list(COMPOSITIONS))
+def test_bfloat16_outputs_do_not_depend_on_the_step_composition(scheme: Scheme, steps: list[list[int]]) -> None:
+    """A request's bfloat16 outputs are bit-identical however its prompt is chunked and whatever
+    shares its steps: prompt tokens by the prefill path at one padded width, tokens past the prompt
+    (decode steps, beside prefill chunks, verified a few at once) as decode rows."""
+    fed = [sum(s[r] for s in steps if r < len(s)) for r in range(3)]
+    total = [n for n in fed if n]
+    alone, _ = _serve(Layer(scheme, dtype=torch.bfloat16, prompts=PROMPTS), ALONE, [108])
+    together, _ = _serve(Layer(scheme, dtype=torch.bfloat16, prompts=PROMPTS), steps, total)
+    assert bool(alone[0].abs().sum(-1).gt(0).all())
+    differ = (alone[0] != together[0]).flatten(1).any(1).nonzero().flatten().tolist()
+    assert differ == [], f"tokens {differ} of request 0 differ from its run alone"

@@ -2,8 +2,9 @@
 
 Decode runs the native kernel (:mod:`.native`) where it builds and takes the tensors, else the
 torch path (vectorized PyTorch, :mod:`.torch_path`); prefill runs torch's CPU flash attention
-(:mod:`.prefill`), except short segments (:data:`SHORT_SEGMENT` tokens or fewer), which the native
-decode kernel attends token by token so that they get the bits decoding them gives. Layout and token order of the context: :mod:`kvarn.kernels.api`.
+(:mod:`.prefill`), except short segments past their prompt (:data:`SHORT_SEGMENT` tokens or fewer),
+which the native decode kernel attends token by token so that they get the bits decoding them gives.
+Layout and token order of the context: :mod:`kvarn.kernels.api`.
 Full tiles are quantized into the cache by :func:`store_tiles` (:mod:`.store`).
 """
 
@@ -22,8 +23,9 @@ from kvarn.kernels.cpu.store import quantize_tiles_cpu, store_tiles
 __all__ = ["decode_attention", "prefill_attention", "quantize_tiles_cpu", "store_tiles"]
 
 IMPLS = ("auto", "native", "torch")
-# Segments of at most this many new tokens (speculative verification, the ends of chunks) are attended
-# token by token by the decode kernel, so that they get the bits decoding them would give.
+# Segments of at most this many new tokens (speculative verification, decode tokens in a step with
+# prefill chunks) are attended token by token by the decode kernel, so that they get the bits decoding
+# them would give.
 SHORT_SEGMENT = 16
 
 
@@ -69,6 +71,7 @@ def prefill_attention(
     *,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    decode_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens (a prefill or a chunk of one) over cached context plus themselves.
 
@@ -84,6 +87,11 @@ def prefill_attention(
         ctx: the cached context, as in :func:`decode_attention` (``tail_lens`` may be 0).
         max_query_len: unused (lengths are read here); part of the ops' shared signature.
         out: optional ``[N, Hq, D]`` output buffer.
+        decode_rows: optional ``[B]`` bool (host), the sequences whose new tokens follow their
+            prompt (speculative verifications, decode tokens beside prefill chunks): those of at most
+            :data:`SHORT_SEGMENT` tokens that stay in their tile are attended by the decode kernel, and
+            no other sequence is. None: every sequence that short is. A prompt's tokens then get the
+            bits of the prefill path however the scheduler chunks the prompt.
 
     Returns:
         ``[N, Hq, D]`` in ``query``'s dtype (``out`` when given).
@@ -99,6 +107,10 @@ def prefill_attention(
     q_lens = cu_seqlens_q.diff()
     # a short segment is decoded token by token in its staging slot: only while it stays in one tile
     short = (q_lens > 0) & (q_lens <= SHORT_SEGMENT) & (ctx.tail_lens.long() + q_lens <= ctx.scheme.group_size)
+    if decode_rows is not None:
+        if decode_rows.shape != (bsz,):
+            raise KernelArgumentError(f"decode_rows must be [{bsz}] bool, got {tuple(decode_rows.shape)}")
+        short &= decode_rows.to(short.device, torch.bool)
     decoded = _short_segments(ctx, query, key, value, cu_seqlens_q, short)
     if decoded is None or not bool(short.all()):
         attend = None if decoded is None else ~short

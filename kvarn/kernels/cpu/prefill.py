@@ -14,11 +14,19 @@ with ``m = max(lse_p, lse_e)``. So no mask is built:
   of one request) form a *chain*. Every tile any segment reads is dequantized once per call
   (:func:`kvarn.kernels.cpu.dequant.dequantize_blocks`, native), the
   chain's keys are gathered once, at its longest segment's length, and each segment attends a
-  prefix of them.
-* **exact part**: the tail rows and the new tokens of every segment padded to a common width, the
-  query of new token ``i`` placed at row ``tail_lens + i``, so that flash attention's own causal
-  mask (query row ``r`` sees keys ``0..r``) is the causal mask of the sequence. Segments are padded
-  in a few groups of similar widths.
+  prefix of them. A segment's queries sit at their rows in the tile (after its tail rows), in
+  whole row blocks (:func:`row_block`).
+* **exact part**: the tail rows and the new tokens of every segment padded to whole row blocks,
+  the query of new token ``i`` placed at row ``tail_lens + i``, so that flash attention's own
+  causal mask (query row ``r`` sees keys ``0..r``) is the causal mask of the sequence. One flash
+  call per padded width.
+
+Why row blocks: torch's CPU flash attention splits the queries into blocks whose size follows the
+query count, sums a row's keys over the padded width in vectors plus a scalar rest, and its matrix
+products round a row by the shape of the block it falls in. With each query at its row in the
+tile and every segment padded to whole blocks of flash attention's own size, a token of a segment
+inside one tile (as the step planner makes them) is computed the same way whatever its chunk and
+the other segments of the step: a request's bits do not depend on its batch (docs/reliability.md).
 
 Query head ``h`` reads KV head ``h // (Hq // H)`` (flash attention's own grouped-query heads).
 Both parts compute in bfloat16 when the query is bfloat16 (keys and values rounded to it, as a 16-bit
@@ -32,8 +40,16 @@ import torch
 from kvarn.kernels.api import PagedContext
 from kvarn.kernels.cpu.dequant import dequantize_blocks
 
-EXACT_GROUPS = 4  # flash-attention calls for the exact parts, segments grouped by their width
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+# torch's CPU flash attention takes the queries in blocks of 32 rows when it gets fewer than 192
+FLASH_ROWS, FLASH_MAX_ROWS = 32, 192
+
+
+def row_block(group_size: int) -> int:
+    """The rows a segment's queries are padded in: the blocks of this many rows, counted from the
+    tile's first row, that its tokens fall in. Flash attention's query block (:data:`FLASH_ROWS`)
+    where a tile is a whole number of them and shorter than :data:`FLASH_MAX_ROWS`, else the tile."""
+    return FLASH_ROWS if group_size < FLASH_MAX_ROWS and group_size % FLASH_ROWS == 0 else group_size
 
 
 def prefill(
@@ -95,13 +111,12 @@ def _exact_part(
     slot_idx[tail > 0] = slot_of
     out = torch.empty(total, hq, d)  # every token attended is written
     lse = torch.empty(total, hq)
-    width = tail + q_lens
-    order = torch.argsort(width)
-    order = order[q_lens[order] > 0]
-    for grp in order.tensor_split(min(EXACT_GROUPS, max(order.shape[0], 1))):
-        if not grp.numel():
-            continue
-        w = int(width[grp].max())
+    # each sequence padded to whole row blocks: a token's row and its flash-attention blocks are fixed
+    # by its position in the tile, whatever the other sequences and the chunk it came in
+    rb = row_block(p.scheme.group_size)
+    width = (tail + q_lens + rb - 1) // rb * rb
+    for w in torch.unique(width[q_lens > 0]).tolist():
+        grp = ((width == w) & (q_lens > 0)).nonzero().flatten()
         r = torch.arange(w)[None, :]
         tl, ql, start = tail[grp, None], q_lens[grp, None], cu[grp, None]
         idx = torch.where(r < tl, slot_idx[grp, None] * rows + r, new_base + start + r - tl)
@@ -129,6 +144,7 @@ def _packed_part(
     h, t = p.cache.shape[1], p.scheme.group_size
     bsz = q_lens.shape[0]
     n = p.num_tiles.long()
+    tail, rb = p.tail_lens.long(), row_block(t)
     sink = p.sink_count() if p.sink_k is not None else torch.zeros(bsz, dtype=torch.long)
     ahead = sink if p.scheme.sink_tile else torch.zeros_like(sink)
     length = torch.where(q_lens > 0, ahead + n * t, 0)
@@ -168,10 +184,12 @@ def _packed_part(
         vc = all_v.index_select(1, rows)[None]
         for s in seg:
             a, b, keys = int(cu[s]), int(cu[s] + q_lens[s]), int(length[s])
-            qs = q[a:b].transpose(0, 1)[None]  # [1, Hq, L, D]
+            r0 = int(tail[s]) % rb  # the queries at their rows in the tile's row blocks
+            qs = q.new_zeros(1, hq, (r0 + b - a + rb - 1) // rb * rb, d)
+            qs[0, :, r0 : r0 + b - a] = q[a:b].transpose(0, 1)
             o, lg = _flash(qs, kc[:, :, :keys], vc[:, :, :keys], 0.0, False, scale=scale)[:2]
-            out[a:b] = o[0].transpose(0, 1)
-            lse[a:b] = lg[0].transpose(0, 1)
+            out[a:b] = o[0, :, r0 : r0 + b - a].transpose(0, 1)
+            lse[a:b] = lg[0, :, r0 : r0 + b - a].transpose(0, 1)
     return out, lse
 
 

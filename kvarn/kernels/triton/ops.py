@@ -236,6 +236,7 @@ def prefill_attention(
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
+    decode_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens (prefill or a prefill chunk) over cached context plus themselves.
 
@@ -256,6 +257,7 @@ def prefill_attention(
         max_query_len: the most new tokens of any sequence (an upper bound is fine).
         out: optional ``[total_q, num_q_heads, D]`` output.
         config: launch options (``configs.prefill_configs``).
+        decode_rows: unused: this kernel attends every sequence alike; part of the ops' shared signature.
 
     Returns:
         ``[total_q, num_q_heads, D]`` in ``query``'s dtype.
