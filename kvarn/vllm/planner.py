@@ -76,7 +76,8 @@ class Planner(Generic[StepT]):
     def writes(self, plans: list[RequestPlan], m: CommonAttentionMetadata, decode: bool) -> StepTensors:
         """The :class:`StepTensors` of planned requests on the device of ``m``'s block table."""
         table = m.block_table_tensor[: m.num_reqs]
-        prefilling = m.is_prefilling[: m.num_reqs].tolist() if m.is_prefilling is not None else None
+        phase = getattr(m, "is_prefilling", None)  # None where vLLM's metadata does not carry it
+        prefilling = phase[: m.num_reqs].tolist() if phase is not None else None
         return build_step(
             plans,
             table,
