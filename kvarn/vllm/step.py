@@ -44,7 +44,7 @@ class StepTensors:
     cu_seqlens: torch.Tensor  # [R + 1] int32 query offsets of the rows (unused in decode)
     block_table: torch.Tensor  # [R, W] int32 packed tiles each row reads
     num_tiles: torch.Tensor  # [R] int32
-    tail_slot: torch.Tensor  # [R] int32 scratch tile read (or a caller's slot pool's slot); 0 if no tail
+    tail_slot: torch.Tensor  # [R] int32 scratch tile read; 0 if no tail
     tail_lens: torch.Tensor  # [R] int32
     sink_slot: torch.Tensor | None  # [R] int32 sink slot read (schemes with sinks)
     sink_lens: torch.Tensor | None  # [R] int32 exact rows read (0: tile 0 quantized, or still in the tail)
@@ -57,8 +57,8 @@ class StepTensors:
     # [R] bool (host): rows of requests past their prompt, which the CPU ops attend as decode rows when
     # short (kvarn.kernels.cpu.ops.prefill_attention); None when the step's metadata does not say
     decode_rows: torch.Tensor | None = None
-    # paged tails (kvarn.vllm.tail; None with a caller's slot pool): the step's row traffic, the layout,
-    # and the scratch tiles the slots above index
+    # paged tails (kvarn.vllm.tail): the step's row traffic, the layout, and the scratch tiles the slots
+    # above index; run_layer refuses a step without them
     tail: TailMoves | None = None
     layout: TailLayout | None = None
     scratch: Scratch | None = None
@@ -96,7 +96,8 @@ def build_step(
         prefilling: per request, whether its new tokens are (or end) its prompt (vLLM's
             ``is_prefilling``); None: not known, and the CPU ops pick decode rows by their length.
         tail, layout, scratch: with paged tails, the step's row traffic, the layout and the scratch
-            tiles its slots index (:mod:`kvarn.vllm.tail`); None with a caller's slot pool.
+            tiles its slots index (:mod:`kvarn.vllm.tail`); :func:`kvarn.vllm.forward.run_layer` refuses a
+            step without them.
     """
     t, dev = group_size, block_table.device
     cu, req, off, tiles, t_slot, t_len, s_slot, s_len = ([0], [], [], [], [], [], [], [])
