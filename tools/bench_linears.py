@@ -8,10 +8,11 @@ linears and of the head, and GFLOP/s, as a Markdown table (``--json`` for machin
 ``--repeats`` calls counts. ``--doc`` replaces a section of a docs page (``--section``) with the
 command, date, commit, machine and table.
 
-A server cannot spend less than this per token on the model's linears, whichever cache it runs: a
-prompt token costs at least the layers' time at the chunk's ``m``; a generated token the layers' and
-the head's time at the batch's ``m``. Set against a serving run's duration (``tools/bench_serving.py``)
-this bounds what any cache can win on that machine (docs/serving.md)::
+A server spends about this per token on the model's linears whichever cache it runs (vLLM's CPU
+linears are GEMMs of the same kind; their speed may differ by some percent): a prompt token the
+layers' time at the chunk's ``m``, a generated token the layers' and the head's time at the batch's
+``m``. Set against a serving run's duration (``tools/bench_serving.py``) this estimates the most any
+cache can win on that machine (docs/serving.md)::
 
     taskset -c 0 python tools/bench_linears.py --model llama1b-shapes --dtype float32 --threads 1
 """
