@@ -71,7 +71,7 @@ def test_server_log_and_metrics_parsing() -> None:
         "INFO [loggers.py:2] Engine 000: ... Running: 9 reqs, Waiting: 0 reqs\n"
     )
     assert bench.kv_tokens_from_log(log) == 45656 and bench.peak_running(log) == 15
-    assert bench.peak_throughput(log) == (1800.2, 0.0) and bench.peak_throughput("") == (None, None)
+    assert bench.phases("") == dict.fromkeys(bench.LOG_PHASES)
     assert bench.kv_tokens_from_log("nothing") is None and bench.peak_running("") is None
     metrics = (
         "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.\n"
@@ -92,8 +92,9 @@ def _row(cache: str, rep: int, tok_s: float, ttft: float, kv: int) -> dict[str, 
     return {"model": "smollm2-135m", "workload": w.name, "letter": w.letter, "kv_cache_dtype": cache, "repeat": rep,
             "num_prompts": w.num_prompts, "input_len": w.input_len, "output_len": w.output_len, "prefix_len": 0,
             "max_concurrency": w.max_concurrency, **bench.parse_result(RESULT), "output_tok_per_s": tok_s,
-            "ttft_p50_ms": ttft, "kv_tokens": kv, "peak_running": 16, "preemptions": rep, "log_prompt_tok_per_s": 900.0,
-            "log_gen_tok_per_s": 50.0 + rep, "load_avg_1min": 2.0 + rep}  # fmt: skip
+            "ttft_p50_ms": ttft, "kv_tokens": kv, "peak_running": 16, "preemptions": rep, "log_prompt_phase_s": 900.0,
+            "log_gen_after_prompts": 1500 + rep, "log_decode_only_tok_per_s": 50.0 + rep,
+            "log_decode_only_running": 16, "load_avg_1min": 2.0 + rep}  # fmt: skip
 
 
 def test_summary_takes_medians_and_ratios_to_the_default(tmp_path: Path) -> None:
@@ -106,7 +107,7 @@ def test_summary_takes_medians_and_ratios_to_the_default(tmp_path: Path) -> None
     assert k["kv_tokens_vs_default"] == round(204448 / 45656, 2) and s["auto"]["output_tok_per_s_vs_default"] == 1.0
     text = bench.table(bench.summarize(rows))
     assert "| (a) burst | 16 x 1,024 + 128, all at once | `kvarn_k4v2_g128` | 2 | 7.0 | 0.64x |" in text
-    assert "204,448 | 4.48x | 16 | 1 | 900 | 50 |" in text and len(text.splitlines()) == 4
+    assert "204,448 | 4.48x | 16 | 1 | 900 | 1,500 | 50 | 16 |" in text and len(text.splitlines()) == 4
     assert all(line.count("|") == text.splitlines()[0].count("|") for line in text.splitlines())
     json.dumps(bench.summarize(rows))  # --json writes it
 
@@ -151,3 +152,35 @@ def test_kv_gib_for_parses_and_names_a_bad_item(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         bench.main(["--kv-gib-for", "auto=two", "--no-doc"])
     assert "'auto=two'" in capsys.readouterr().err
+
+
+def _stats(stamp: str, prompt: float, gen: float, running: int, waiting: int) -> str:
+    return (
+        f"(APIServer pid=1) INFO {stamp} [loggers.py:335] Engine 000: Avg prompt throughput: {prompt} tokens/s, "
+        f"Avg generation throughput: {gen} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, "
+        "CPU KV cache usage: 4.7%, Prefix cache hit rate: 0.0%\n"
+    )
+
+
+def test_phases_of_a_run_from_the_stats_lines() -> None:
+    """A burst as vLLM logs it: prompts finish while requests queue, then decode only, across midnight."""
+    log = "".join([
+        _stats("12-31 23:59:30", 0.0, 0.0, 0, 0),  # idle before the run: not counted
+        _stats("12-31 23:59:40", 0.0, 0.0, 2, 6),  # the run starts in this window
+        _stats("12-31 23:59:50", 300.0, 0.5, 3, 5),
+        _stats("01-01 00:00:00", 0.0, 1.0, 8, 0),
+        _stats("01-01 00:00:10", 300.0, 2.0, 8, 0),  # the last prompt is done: 40 s after the window began
+        _stats("01-01 00:00:20", 0.0, 60.0, 8, 0),  # decode only, 8 running
+        _stats("01-01 00:00:30", 0.0, 64.0, 7, 0),
+        _stats("01-01 00:00:40", 0.0, 62.0, 8, 0),
+        _stats("01-01 00:00:50", 0.0, 20.0, 2, 0),  # the batch drains: below 80% of 8, not decode speed
+    ])  # fmt: skip
+    p = bench.phases(log)
+    assert p["prompt_phase_s"] == 40.0
+    assert p["gen_after_prompts"] == (60 + 64 + 62 + 20) * 10
+    assert p["decode_only_tok_per_s"] == 62.0 and p["decode_only_running"] == 8
+    # no prompt line: nothing to say
+    assert bench.phases(_stats("12-05 10:00:00", 0.0, 5.0, 1, 0)) == dict.fromkeys(bench.LOG_PHASES)
+    # decode never ran alone (a queue to the end): the prompt phase only
+    q = bench.phases(_stats("12-05 10:00:00", 300.0, 1.0, 4, 2) + _stats("12-05 10:00:10", 0.0, 3.0, 4, 1))
+    assert q["prompt_phase_s"] == 10.0 and q["gen_after_prompts"] == 30 and q["decode_only_tok_per_s"] is None

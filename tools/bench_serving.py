@@ -9,8 +9,9 @@ starts ``vllm serve`` (the ``vllm`` next to this interpreter) on 127.0.0.1 with 
 prompts) and stops the server (its whole process group; also on errors and Ctrl-C). Per run: output
 tokens/s, requests/s, TTFT and TPOT p50/p99 from the client's saved JSON; the KV tokens vLLM logs
 (``KV cache size: N tokens``), the most requests the server's periodic stats line showed running at
-once, and the preemptions from ``/metrics`` (``vllm:num_preemptions``). Workloads (the letters of
-issue 31):
+once, where the run's time went by those lines (:func:`phases`: how long until every prompt was
+prefilled, tokens generated after that, decode-only speed at the batch held), and the preemptions
+from ``/metrics`` (``vllm:num_preemptions``). Workloads (the letters of issue 31):
 
 - ``burst`` (a): 48 requests of 3,000 random prompt tokens + 256 output tokens, all at once;
 - ``burst-long`` (b): the same with 1,024 output tokens;
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import json
 import os
 import re
@@ -167,7 +169,10 @@ def parse_result(data: dict[str, Any]) -> dict[str, Any]:
 
 KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 RUNNING = re.compile(r"Running: (\d+) reqs")
-THROUGHPUT = re.compile(r"Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+) tokens/s")
+STATS = re.compile(
+    r"(\d\d-\d\d \d\d:\d\d:\d\d)\D.*?Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: "
+    r"([\d.]+) tokens/s, Running: (\d+) reqs, Waiting: (\d+) reqs"
+)
 
 
 def kv_tokens_from_log(log: str) -> int | None:
@@ -182,13 +187,47 @@ def peak_running(log: str) -> int | None:
     return max(int(n) for n in found) if found else None
 
 
-def peak_throughput(log: str) -> tuple[float | None, float | None]:
-    """The highest prompt and generation tokens/s of vLLM's stats lines (10-second averages), or None:
-    prefill speed and decode speed as the server saw them."""
-    found = [(float(p), float(g)) for p, g in THROUGHPUT.findall(log)]
-    if not found:
-        return None, None
-    return max(p for p, _ in found), max(g for _, g in found)
+LOG_PHASES = ("prompt_phase_s", "gen_after_prompts", "decode_only_tok_per_s", "decode_only_running")
+
+
+def phases(log: str) -> dict[str, float | None]:
+    """Where a run's time went, from vLLM's stats lines (one per 10 s: the prompt and generation
+    tokens/s of the window it closes, the requests running and waiting), all None without them:
+
+    - ``prompt_phase_s``: from the start of the window (10 s) of the first line with a request
+      running or waiting to the last line with prompt tokens (vLLM counts a prompt when its prefill
+      ends): how long until every prompt was prefilled;
+    - ``gen_after_prompts``: tokens generated after that line (each window's rate x its length);
+    - ``decode_only_tok_per_s`` and ``decode_only_running``: the medians of generation tokens/s and
+      running requests over the windows after it with none waiting and at least 80% of the most
+      requests such windows show running: decode speed at the batch the cache holds.
+    """
+    none: dict[str, float | None] = dict.fromkeys(LOG_PHASES)
+    lines = STATS.findall(log)
+    seconds: list[float] = []
+    for stamp, *_ in lines:  # vLLM prints no year: a step back in time is a new year
+        s = (
+            datetime.datetime.strptime("2001-" + stamp, "%Y-%m-%d %H:%M:%S") - datetime.datetime(2001, 1, 1)
+        ).total_seconds()
+        while seconds and s < seconds[-1]:
+            s += 365 * 86400
+        seconds.append(s)
+    w = [(t, float(p), float(g), int(r), int(q)) for t, (_, p, g, r, q) in zip(seconds, lines, strict=True)]
+    busy = [i for i, x in enumerate(w) if x[3] or x[4]]  # requests running or waiting
+    prompts = [i for i, x in enumerate(w) if x[1] > 0]
+    if not busy or not prompts:
+        return none
+    first, last = busy[0], prompts[-1]
+    out = dict(none)
+    out["prompt_phase_s"] = w[last][0] - w[first][0] + 10.0  # vLLM skips lines while idle: not the line before
+    out["gen_after_prompts"] = round(sum(w[i][2] * (w[i][0] - w[i - 1][0]) for i in range(last + 1, len(w))))
+    decode = [x for x in w[last + 1 :] if x[4] == 0 and x[2] > 0]
+    if decode:
+        top = max(x[3] for x in decode)
+        held = [x for x in decode if x[3] >= 0.8 * top]
+        out["decode_only_tok_per_s"] = statistics.median(x[2] for x in held)
+        out["decode_only_running"] = statistics.median(x[3] for x in held)
+    return out
 
 
 def preemptions_from_metrics(text: str) -> int:
@@ -310,7 +349,7 @@ def run(
                         "prefix_len": w.prefix_len, "max_concurrency": w.max_concurrency,
                         **parse_result(json.loads((logs / name).read_text())),
                         "kv_gib": gib, "kv_tokens": kv_tokens_from_log(log), "peak_running": peak_running(log[offset:]),
-                        **dict(zip(LOG_PEAKS, peak_throughput(log[offset:]), strict=True)),
+                        **{f"log_{k}": v for k, v in phases(log[offset:]).items()},
                         "preemptions": preemptions_from_metrics(_get(f"{url}/metrics")) - before,
                         "server_start_s": round(start_s, 1),
                         "load_avg_1min": round(max(load, os.getloadavg()[0]), 1),  # other work on the machine
@@ -322,13 +361,15 @@ def run(
                         f"[{i + 1}/{len(order)}] {label} {cache} {w.name} ({w.num_prompts} x {w.input_len}+"
                         f"{w.output_len}, {w.max_concurrency} at once): {row['output_tok_per_s']:.1f} tok/s, "
                         f"TTFT p50 {row['ttft_p50_ms'] / 1e3:.1f} s, TPOT p50 {row['tpot_p50_ms']:.0f} ms, "
-                        f"{row['kv_tokens']} KV tokens, {row['preemptions']} preemptions, load {row['load_avg_1min']}",
+                        f"{row['kv_tokens']} KV tokens, {row['preemptions']} preemptions, prompts done at "
+                        f"{row['log_prompt_phase_s']} s, decode-only {row['log_decode_only_tok_per_s']} tok/s at "
+                        f"{row['log_decode_only_running']} running, load {row['load_avg_1min']}",
                         flush=True,
                     )
     return rows
 
 
-LOG_PEAKS = ("log_prompt_tok_per_s", "log_gen_tok_per_s")
+LOGGED = tuple(f"log_{k}" for k in LOG_PHASES)
 SUMMED = ("output_tok_per_s", "req_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 
 
@@ -349,7 +390,7 @@ def summarize(rows: list[dict[str, Any]], default: str = DEFAULT_CACHE) -> list[
         peaks = [r["peak_running"] for r in runs if r["peak_running"] is not None]
         s["peak_running"] = max(peaks) if peaks else None
         s["preemptions"] = max(r["preemptions"] for r in runs)
-        for k in LOG_PEAKS:
+        for k in LOGGED:
             found = [r[k] for r in runs if r.get(k) is not None]
             s[k] = statistics.median(found) if found else None
         out.append(s)
@@ -371,8 +412,9 @@ def table(summary: list[dict[str, Any]]) -> str:
     lines = [
         "| workload | requests x prompt + output | cache | runs | output tok/s | vs default | requests/s "
         "| TTFT p50 s | vs default | TTFT p99 s | TPOT p50 ms | vs default | TPOT p99 ms | KV tokens | vs default "
-        "| peak running | preemptions | prompt tok/s (log) | generation tok/s (log) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak running | preemptions | prompts done s (log) | generated after (log) "
+        "| decode-only tok/s (log) | at running (log) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summary:
         shape = f"{s['num_prompts']} x {s['input_len']:,} + {s['output_len']:,}"
@@ -381,7 +423,7 @@ def table(summary: list[dict[str, Any]]) -> str:
         shape += ", 1 at a time" if s["max_concurrency"] == 1 else ", all at once"
         kv = "" if s["kv_tokens"] is None else f"{s['kv_tokens']:,}"
         peak = "" if s["peak_running"] is None else str(s["peak_running"])
-        logged = " | ".join("" if s.get(k) is None else f"{s[k]:.0f}" for k in LOG_PEAKS)
+        logged = " | ".join("" if s.get(k) is None else f"{s[k]:,.0f}" for k in LOGGED)
         lines.append(
             f"| ({s['letter']}) {s['workload']} | {shape} | `{s['kv_cache_dtype']}` | {s['runs']} "
             f"| {s['output_tok_per_s']:.1f} | {_ratio(s['output_tok_per_s_vs_default'])} | {s['req_per_s']:.3f} "
