@@ -179,6 +179,9 @@ def test_phases_of_a_run_from_the_stats_lines() -> None:
     assert p["prompt_phase_s"] == 40.0
     assert p["gen_after_prompts"] == (60 + 64 + 62 + 20) * 10
     assert p["decode_only_tok_per_s"] == 62.0 and p["decode_only_running"] == 8
+    row = {f"log_{k}": v for k, v in p.items()}
+    assert bench._phases_text(row) == "prompts done at 40 s, decode-only 62.0 tok/s at 8 running, "
+    assert bench._phases_text(dict.fromkeys(row)) == ""  # a run too short for the stats lines
     # no prompt line: nothing to say
     assert bench.phases(_stats("12-05 10:00:00", 0.0, 5.0, 1, 0)) == dict.fromkeys(bench.LOG_PHASES)
     # decode never ran alone (a queue to the end): the prompt phase only

@@ -361,15 +361,24 @@ def run(
                         f"[{i + 1}/{len(order)}] {label} {cache} {w.name} ({w.num_prompts} x {w.input_len}+"
                         f"{w.output_len}, {w.max_concurrency} at once): {row['output_tok_per_s']:.1f} tok/s, "
                         f"TTFT p50 {row['ttft_p50_ms'] / 1e3:.1f} s, TPOT p50 {row['tpot_p50_ms']:.0f} ms, "
-                        f"{row['kv_tokens']} KV tokens, {row['preemptions']} preemptions, prompts done at "
-                        f"{row['log_prompt_phase_s']} s, decode-only {row['log_decode_only_tok_per_s']} tok/s at "
-                        f"{row['log_decode_only_running']} running, load {row['load_avg_1min']}",
+                        f"{row['kv_tokens']} KV tokens, {row['preemptions']} preemptions, {_phases_text(row)}"
+                        f"load {row['load_avg_1min']}",
                         flush=True,
                     )
     return rows
 
 
 LOGGED = tuple(f"log_{k}" for k in LOG_PHASES)
+
+
+def _phases_text(row: dict[str, Any]) -> str:
+    """The progress line's part for :func:`phases` (empty where the stats lines said nothing)."""
+    text = "" if row["log_prompt_phase_s"] is None else f"prompts done at {row['log_prompt_phase_s']:.0f} s, "
+    if row["log_decode_only_tok_per_s"] is not None:
+        text += f"decode-only {row['log_decode_only_tok_per_s']:.1f} tok/s at {row['log_decode_only_running']:.0f} running, "
+    return text
+
+
 SUMMED = ("output_tok_per_s", "req_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 
 
