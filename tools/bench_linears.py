@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-MODELS = ("smollm2-135m", "llama1b-shapes")
+from bench_serving import MODELS, commit, machine, model_folder  # noqa: E402
+from doc_section import measuring_args, utc_stamp, write_section  # noqa: E402
 
 
 def linear_shapes(config: dict[str, Any]) -> tuple[list[tuple[int, int]], tuple[int, int], int]:
@@ -114,8 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     if any(m < 1 for m in a.rows):
         p.error(f"--rows must be positive, got {a.rows}")
     import torch
-    from bench_serving import commit, machine, model_folder
-    from doc_section import measuring_args, utc_stamp, write_section
 
     if a.threads:
         torch.set_num_threads(a.threads)
