@@ -23,6 +23,8 @@ prof = load_tool("profile_engine")
     [
         ("~", "<built-in method torch._C._disabled_torch_function_impl>", "linears"),
         ("~", "<built-in method torch._C._nn.linear>", "linears"),
+        ("~", "<built-in method torch._ops._C.onednn_mm>", "linears"),
+        ("~", "<built-in method torch._ops._C.weight_packed_linear>", "linears"),
         ("~", "<built-in method torch._ops.aten._scaled_dot_product_flash_attention_for_cpu>", "attention"),
         ("~", "<built-in method torch._ops._C.cpu_attention_with_kv_cache>", "attention"),
         ("~", "<built-in method kvarn_cpu_0123abcd.decode>", "attention"),

@@ -10,7 +10,8 @@ prompts; prefix caching on, chunks of 2048 tokens):
 * ``hit``: the same again (the last block recomputed over the cached ones);
 * ``decode``: ``max_tokens=new_tokens`` on the same prompts, less the ``hit`` phase: the decode steps.
 
-Each phase's self time is split by function: ``linears`` (the model's matrix products), ``attention``
+Each phase's self time is split by function: ``linears`` (the model's matrix products: torch's
+linear and vLLM's oneDNN / packed-weight GEMMs), ``attention``
 (torch's CPU flash attention, vLLM's ``cpu_attention_with_kv_cache``, kvarn's native decode),
 ``cache kernels`` (kvarn's native store and dequantize, vLLM's ``cpu_attn_reshape_and_cache``), ``kvarn host`` (Python under ``kvarn/``) and
 ``other`` (vLLM's scheduler and model code, torch ops called from anywhere). The profiler adds a
@@ -44,11 +45,14 @@ from doc_section import measuring_args, utc_stamp, write_section  # noqa: E402
 DOC = TOOLS.parent / "docs" / "cpu_serving.md"
 PARTS = ("linears", "attention", "cache kernels", "kvarn host", "other")
 PHASES = ("miss", "hit", "decode")
+# the model's matrix products as cProfile names them: torch's linear, and vLLM's CPU GEMMs (oneDNN, AMX
+# on CPUs with bf16 units; packed-weight linears)
+LINEAR_OPS = ("_disabled_torch_function_impl", "torch._C._nn.linear", "_C.onednn_mm", "_C.weight_packed_linear")
 
 
 def part_of(file: str, name: str) -> str:
     """The part a profiled function's self time belongs to (see module doc)."""
-    if "_disabled_torch_function_impl" in name or "torch._C._nn.linear" in name:
+    if any(op in name for op in LINEAR_OPS):
         return "linears"
     if "flash_attention_for_cpu" in name or "cpu_attention_with_kv_cache" in name:
         return "attention"
