@@ -23,18 +23,277 @@ int thread_index() {
 #endif
 }
 
+// per-thread buffers, sized once per call (no allocation per task)
 struct Scratch {
-  std::vector<float> rows, qs, qp, c, s, tmp, ks, ko, kf, vs, vo, vf, kperm, vperm, accp;
+  std::vector<float> rows, qs, qp, c, s, tmp, ks, ko, kf, vs, vo, vf, kperm, vperm, accp, red16;
+  std::vector<float> m, l, acc, q, qr;  // a task's softmax state and query
   std::vector<v8f> red;
   std::vector<int32_t> kidx, vidx;
-  void fit(int64_t G, int64_t T, int64_t D) {
+  void fit(int64_t G, int64_t T, int64_t D, int64_t KB, int64_t VB) {
     const int64_t L = 2 * D;  // at most two planes
     rows.resize(std::max<int64_t>(ROWS * L, D)); qs.resize(G * L); qp.resize(G * L); c.resize(G); s.resize(G * T);
     tmp.resize(G * L); ks.resize(D); ko.resize(D); kf.resize(T); vs.resize(T); vo.resize(T);
-    vf.resize(D); kperm.resize(L); vperm.resize(L); accp.resize(G * L);
+    vf.resize(D); kperm.resize(L); vperm.resize(L); accp.resize(G * L); red16.resize(4 * 16 * 16);
+    m.resize(G); l.resize(G); acc.resize(G * D); q.resize(G * D); qr.resize(G * D);
     red.resize(4 * 8); kidx.resize(L); vidx.resize(L);
+    plane_channels_any(KB, D, kidx.data());
+    plane_channels_any(VB, D, vidx.data());
   }
 };
+
+#if defined(__AVX512F__)
+// 16-lane AVX-512 paths of the tile loop (the 8-lane path below is the fallback without AVX-512)
+
+inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
+inline void st16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+// 16 bytes zero-extended to 16 int32 lanes; the 8 bytes twice (lanes 0..7 and 8..15)
+inline __m512i widen16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m512i widen8x2(const uint8_t* p) {
+  const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(x, x));
+}
+
+// the value of each 4-bit index (the low 4 bits of a lane: _mm512_permutexvar_ps) as a W-bit code times 2**shift
+template <int W>
+inline __m512 code_table(int shift) {
+  alignas(64) float t[16];
+  for (int i = 0; i < 16; ++i) t[i] = (float)((i & ((1 << W) - 1)) << shift);
+  return _mm512_load_ps(t);
+}
+
+// f(pos, v) for the codes of one row (n bytes) of a W-bit plane, 16 at a time: v holds the codes of the
+// plane-order positions pos..pos+15 (vec.h) times 2**shift. Codes of W <= 4 bits go through a table
+// lookup on the low 4 bits of each lane (no mask, no int->float conversion); a 1-bit plane of 8 bytes
+// (head_dim 64) gives positions j*8 .. j*8+15 of two shifts at once.
+template <int W, class F>
+inline void row_codes(const uint8_t* row, int64_t n, const __m512 table, F&& f) {
+  constexpr int P = 8 / W;
+  if constexpr (W == 8) {
+    for (int64_t c = 0; c < n; c += 16) f(c, _mm512_cvtepi32_ps(widen16(row + c)));
+  } else {
+    if (n % 16 == 0) {
+      for (int64_t c = 0; c < n; c += 16) {
+        const __m512i x = widen16(row + c);
+        f(c, _mm512_permutexvar_ps(x, table));
+        for (int j = 1; j < P; ++j) f(j * n + c, _mm512_permutexvar_ps(_mm512_srli_epi32(x, j * W), table));
+      }
+    } else {  // n == 8
+      const __m512i x = widen8x2(row);
+      for (int j = 0; j < P; j += 2) {
+        const __m512i sh = _mm512_mask_blend_epi32((__mmask16)0xff00, _mm512_set1_epi32(j * W), _mm512_set1_epi32((j + 1) * W));
+        f(j * n, _mm512_permutexvar_ps(_mm512_srlv_epi32(x, sh), table));
+      }
+    }
+  }
+}
+
+// the 16 lane sums of v[0..15] (stored at v + 16 * slot(r), slot(r) = (r & 3) * 4 + (r >> 2)), as one vector
+inline int hsum_slot(int r) { return (r & 3) * 4 + (r >> 2); }
+inline __m512 hsum16(const float* v) {
+  __m512 l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = ld16(v + 32 * i), b = ld16(v + 32 * i + 16);
+    l1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i)
+    l2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l1[2 * i], l1[2 * i + 1], 0x88), _mm512_shuffle_f32x4(l1[2 * i], l1[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i) {
+    const __m512d a = _mm512_castps_pd(l2[2 * i]), b = _mm512_castps_pd(l2[2 * i + 1]);
+    l3[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], 0x88), _mm512_shuffle_ps(l3[0], l3[1], 0xDD));
+}
+
+// exp of 16 lanes x <= 0, as exp_neg8
+inline __m512 exp_neg16(__m512 x) {
+  const __mmask16 dead = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm512_mask_mov_ps(x, dead, _mm512_set1_ps(-87.f));
+  const __m512 big = _mm512_set1_ps(12582912.f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), big), big);
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps((__mmask16)~dead, y, _mm512_castsi512_ps(bits));
+}
+
+// stored params (positives / offsets of vec.h), 16 at a time (n a multiple of 16)
+inline void positives16(const uint8_t* src, int64_t n, bool log8, const float* lut, float* dst) {
+  for (int64_t i = 0; i < n; i += 16) {
+    if (log8) st16(dst + i, _mm512_i32gather_ps(widen16(src + i), lut, 4));
+    else st16(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * i))));
+  }
+}
+
+inline void offsets16(const uint8_t* src, int64_t n, bool log8, const float* scale, float* dst) {
+  if (!log8) return positives16(src, n, false, nullptr, dst);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    st16(dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(x), ld16(scale + i)));
+  }
+}
+
+// s[g * ld + t] = sum_x qs[g * L + x] * codes[t][x] for query heads g0..g0+NG-1, all T rows of a key code
+// section: one accumulator per head and row, 16 rows reduced at once (hsum16)
+template <int BITS, int NG>
+inline void scores16(const uint8_t* sec, int64_t T, int64_t D, const float* qs, int64_t L, int64_t g0, float* s,
+                     int64_t ld, float* red) {
+  const float* q0 = qs + g0 * L;
+  __m512 tables[Planes<BITS>::N];
+  for (int k = 0; k < Planes<BITS>::N; ++k) tables[k] = Planes<BITS>::W[k] == 8 ? _mm512_setzero_ps() : (
+      Planes<BITS>::W[k] == 1 ? code_table<1>(Planes<BITS>::SHIFT[k]) : Planes<BITS>::W[k] == 2 ? code_table<2>(Planes<BITS>::SHIFT[k]) : code_table<4>(Planes<BITS>::SHIFT[k]));
+  for (int64_t t16 = 0; t16 < T; t16 += 16) {
+    for (int r = 0; r < 16; ++r) {
+      __m512 acc[NG];
+      for (int k = 0; k < NG; ++k) acc[k] = _mm512_setzero_ps();
+      const uint8_t* plane = sec;
+      for (int pk = 0; pk < Planes<BITS>::N; ++pk) {
+        const float* qp = q0 + pk * D;
+        auto fma = [&](int64_t pos, __m512 v) {
+          for (int k = 0; k < NG; ++k) acc[k] = _mm512_fmadd_ps(v, ld16(qp + k * L + pos), acc[k]);
+        };
+        const int w = Planes<BITS>::W[pk];
+        const int64_t n = D * w / 8;
+        const uint8_t* row = plane + (t16 + r) * n;
+        if (w == 8) row_codes<8>(row, n, tables[pk], fma);
+        else if (w == 4) row_codes<4>(row, n, tables[pk], fma);
+        else if (w == 2) row_codes<2>(row, n, tables[pk], fma);
+        else row_codes<1>(row, n, tables[pk], fma);
+        plane += T * n;
+      }
+      for (int k = 0; k < NG; ++k) st16(red + (k * 16 + hsum_slot(r)) * 16, acc[k]);
+    }
+    for (int k = 0; k < NG; ++k) st16(s + (g0 + k) * ld + t16, hsum16(red + k * 256));
+  }
+}
+
+// out[g * L + pos] = sum_t p[g * ld + t] * codes[t][pos] over the T rows of one W-bit plane (n bytes a row)
+// for query heads g0..g0+NG-1; up to 4 vectors of positions a pass, their 4 * NG sums in registers
+template <int W, int NG>
+inline void values16(const uint8_t* plane, int64_t T, int64_t n, int shift, const float* p, int64_t ld, int64_t g0,
+                     int64_t L, float* out) {
+  constexpr int P = 8 / W;
+  const __m512 table = code_table<W == 8 ? 4 : W>(shift);
+  const float* p0 = p + g0 * ld;
+  if constexpr (W == 8) {
+    for (int64_t c0 = 0; c0 < n; c0 += 64) {
+      const int nc = (int)std::min<int64_t>(4, (n - c0) / 16);
+      __m512 acc[NG][4];
+      for (int k = 0; k < NG; ++k) for (int j = 0; j < 4; ++j) acc[k][j] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < T; ++t) {
+        for (int j = 0; j < 4; ++j) {
+          if (j >= nc) break;
+          const __m512 v = _mm512_cvtepi32_ps(widen16(plane + t * n + c0 + 16 * j));
+          for (int k = 0; k < NG; ++k) acc[k][j] = _mm512_fmadd_ps(_mm512_set1_ps(p0[k * ld + t]), v, acc[k][j]);
+        }
+      }
+      for (int k = 0; k < NG; ++k)
+        for (int j = 0; j < nc; ++j) st16(out + (g0 + k) * L + c0 + 16 * j, acc[k][j]);
+    }
+  } else if (n % 16 == 0) {
+    // one 16-byte column chunk gives P vectors; chunks of 4-bit planes two at a time
+    constexpr int C = P >= 4 ? 1 : 4 / P, J = P >= 4 ? 4 : P;  // chunks and shifts a pass (C * J = 4)
+    for (int64_t c0 = 0; c0 < n; c0 += 16 * C) {
+      for (int j0 = 0; j0 < P; j0 += J) {
+        __m512 acc[NG][C * J];
+        for (int k = 0; k < NG; ++k) for (int v = 0; v < C * J; ++v) acc[k][v] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < T; ++t) {
+          __m512 code[C * J];
+          for (int c = 0; c < C; ++c) {
+            const __m512i x = widen16(plane + t * n + c0 + 16 * c);
+            for (int j = 0; j < J; ++j)
+              code[c * J + j] = _mm512_permutexvar_ps(j0 + j ? _mm512_srli_epi32(x, (j0 + j) * W) : x, table);
+          }
+          for (int k = 0; k < NG; ++k) {
+            const __m512 w = _mm512_set1_ps(p0[k * ld + t]);
+            for (int v = 0; v < C * J; ++v) acc[k][v] = _mm512_fmadd_ps(w, code[v], acc[k][v]);
+          }
+        }
+        for (int k = 0; k < NG; ++k)
+          for (int c = 0; c < C; ++c)
+            for (int j = 0; j < J; ++j) st16(out + (g0 + k) * L + (j0 + j) * n + c0 + 16 * c, acc[k][c * J + j]);
+      }
+    }
+  } else {  // a 1-bit plane of 8 bytes a row: positions j*8 .. j*8+15 of shifts j, j+1
+    __m512 acc[NG][4];
+    for (int k = 0; k < NG; ++k) for (int v = 0; v < 4; ++v) acc[k][v] = _mm512_setzero_ps();
+    __m512i sh[4];
+    for (int v = 0; v < 4; ++v)
+      sh[v] = _mm512_mask_blend_epi32((__mmask16)0xff00, _mm512_set1_epi32(2 * v * W), _mm512_set1_epi32((2 * v + 1) * W));
+    for (int64_t t = 0; t < T; ++t) {
+      const __m512i x = widen8x2(plane + t * n);
+      __m512 code[4];
+      for (int v = 0; v < 4; ++v) code[v] = _mm512_permutexvar_ps(_mm512_srlv_epi32(x, sh[v]), table);
+      for (int k = 0; k < NG; ++k) {
+        const __m512 w = _mm512_set1_ps(p0[k * ld + t]);
+        for (int v = 0; v < 4; ++v) acc[k][v] = _mm512_fmadd_ps(w, code[v], acc[k][v]);
+      }
+    }
+    for (int k = 0; k < NG; ++k)
+      for (int v = 0; v < 4; ++v) st16(out + (g0 + k) * L + 16 * v, acc[k][v]);
+  }
+}
+
+template <int BITS>
+inline void packed_values16(const uint8_t* sec, int64_t T, int64_t D, const float* p, int64_t ld, int64_t G, float* out) {
+  const int64_t L = Planes<BITS>::N * D;
+  const uint8_t* plane = sec;
+  for (int k = 0; k < Planes<BITS>::N; ++k) {
+    const int w = Planes<BITS>::W[k], shift = Planes<BITS>::SHIFT[k];
+    const int64_t n = D * w / 8;
+    head_groups(G, [&](auto ng, int64_t g0) {
+      constexpr int NG = decltype(ng)::value;
+      if (w == 8) values16<8, NG>(plane, T, n, shift, p, ld, g0, L, out + k * D);
+      else if (w == 4) values16<4, NG>(plane, T, n, shift, p, ld, g0, L, out + k * D);
+      else if (w == 2) values16<2, NG>(plane, T, n, shift, p, ld, g0, L, out + k * D);
+      else values16<1, NG>(plane, T, n, shift, p, ld, g0, L, out + k * D);
+    });
+    plane += T * n;
+  }
+}
+
+template <int BITS>
+inline void packed_scores16(const uint8_t* sec, int64_t T, int64_t D, const float* qs, int64_t L, int64_t G, float* s,
+                            float* red) {
+  head_groups(G, [&](auto ng, int64_t g0) { scores16<BITS, decltype(ng)::value>(sec, T, D, qs, L, g0, s, T, red); });
+}
+
+// online softmax step over s[g * ld + t], t < n (a multiple of 16): as softmax_step
+inline bool softmax16(float* s, int64_t G, int64_t n, int64_t ld, int64_t L, float* m, float* l, float* acc) {
+  bool any = false;
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * ld;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < n; t += 16) mv = _mm512_max_ps(ld16(sg + t), mv);  // NaN scores are skipped
+    const float mn = std::max(m[g], _mm512_reduce_max_ps(mv));
+    if (mn == -INFINITY) {
+      std::fill(sg, sg + n, 0.f);
+      continue;
+    }
+    any = true;
+    const float alpha = m[g] == -INFINITY ? 0.f : std::exp(m[g] - mn);
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 mnv = _mm512_set1_ps(mn);
+    for (int64_t t = 0; t < n; t += 16) {
+      const __m512 p = exp_neg16(_mm512_sub_ps(ld16(sg + t), mnv));
+      st16(sg + t, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    l[g] = l[g] * alpha + _mm512_reduce_add_ps(sum);
+    if (alpha != 1.f)
+      for (int64_t x = 0; x < L; x += 16) st16(acc + g * L + x, _mm512_mul_ps(ld16(acc + g * L + x), _mm512_set1_ps(alpha)));
+    m[g] = mn;
+  }
+  return any;
+}
+#endif  // __AVX512F__
 
 // Tiles t0..t1-1 of sequence b, KV head h, for the rotated query qr [G, D]. The query, the channel
 // parameters and the accumulator live in the codes' plane order (vec.h), so that nothing is permuted
@@ -47,8 +306,6 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
   float* qs = w.qs.data(); float* qp = w.qp.data(); float* c = w.c.data(); float* s = w.s.data();
   float* vsum = w.tmp.data(); float* accp = w.accp.data(); float* kperm = w.kperm.data(); float* vperm = w.vperm.data();
   const int32_t* kidx = w.kidx.data(); const int32_t* vidx = w.vidx.data();
-  plane_channels_any(KB, D, w.kidx.data());
-  plane_channels_any(VB, D, w.vidx.data());
   for (int64_t g = 0; g < G; ++g)
     for (int64_t x = 0; x < LK; ++x) qp[g * LK + x] = qr[g * D + kidx[x]];
   std::fill(accp, accp + G * LV, 0.f);
@@ -62,6 +319,61 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
   for (int64_t i = t0; i < t1; ++i) {
     const uint8_t* rec = record(i);
     if (i + 1 < t1) prefetch(record(i + 1));  // while this one is computed
+#if defined(__AVX512F__)
+    positives16(rec + a.KS, D, log8, a.lut, w.ks.data());
+    offsets16(rec + a.KO, D, log8, w.ks.data(), w.ko.data());
+    positives16(rec + a.KF, T, log8, a.lut, w.kf.data());
+    for (int64_t x = 0; x < LK; x += 16)
+      st16(kperm + x, _mm512_i32gather_ps(_mm512_loadu_si512(kidx + x), w.ks.data(), 4));
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 cg = _mm512_setzero_ps();
+      for (int64_t x = 0; x < D; x += 16) cg = _mm512_fmadd_ps(ld16(qr + g * D + x), ld16(w.ko.data() + x), cg);
+      c[g] = _mm512_reduce_add_ps(cg);
+      for (int64_t x = 0; x < LK; x += 16) st16(qs + g * LK + x, _mm512_mul_ps(ld16(qp + g * LK + x), ld16(kperm + x)));
+    }
+    switch (KB) {
+      case 2: packed_scores16<2>(rec + a.KC, T, D, qs, LK, G, s, w.red16.data()); break;
+      case 3: packed_scores16<3>(rec + a.KC, T, D, qs, LK, G, s, w.red16.data()); break;
+      case 4: packed_scores16<4>(rec + a.KC, T, D, qs, LK, G, s, w.red16.data()); break;
+      default: packed_scores16<8>(rec + a.KC, T, D, qs, LK, G, s, w.red16.data()); break;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 cg = _mm512_set1_ps(c[g]);
+      for (int64_t t = 0; t < T; t += 16)
+        st16(s + g * T + t, _mm512_mul_ps(ld16(w.kf.data() + t), _mm512_add_ps(ld16(s + g * T + t), cg)));
+    }
+    if (i == 0 && sink_n > 0 && a.SINK_TOKENS > 0)  // attended from the exact copies instead
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t t = 0; t < std::min(sink_n, T); ++t) s[g * T + t] = -INFINITY;
+    if (!softmax16(s, G, T, T, LV, m, l, accp)) continue;
+    positives16(rec + a.VS, T, log8, a.lut, w.vs.data());
+    offsets16(rec + a.VO, T, log8, w.vs.data(), w.vo.data());
+    positives16(rec + a.VF, D, log8, a.lut, w.vf.data());
+    for (int64_t x = 0; x < LV; x += 16)
+      st16(vperm + x, _mm512_i32gather_ps(_mm512_loadu_si512(vidx + x), w.vf.data(), 4));
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 cg = _mm512_setzero_ps();
+      for (int64_t t = 0; t < T; t += 16) {
+        const __m512 p = ld16(s + g * T + t);
+        cg = _mm512_fmadd_ps(p, ld16(w.vo.data() + t), cg);
+        st16(s + g * T + t, _mm512_mul_ps(p, ld16(w.vs.data() + t)));
+      }
+      c[g] = _mm512_reduce_add_ps(cg);
+    }
+    switch (VB) {
+      case 2: packed_values16<2>(rec + a.VC, T, D, s, T, G, vsum); break;
+      case 3: packed_values16<3>(rec + a.VC, T, D, s, T, G, vsum); break;
+      case 4: packed_values16<4>(rec + a.VC, T, D, s, T, G, vsum); break;
+      default: packed_values16<8>(rec + a.VC, T, D, s, T, G, vsum); break;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 cg = _mm512_set1_ps(c[g]);
+      float* ag = accp + g * LV; const float* sg = vsum + g * LV;
+      for (int64_t x = 0; x < D; x += 16)
+        st16(ag + x, _mm512_fmadd_ps(ld16(vperm + x), _mm512_add_ps(ld16(sg + x), cg), ld16(ag + x)));
+      for (int64_t x = D; x < LV; x += 16) st16(ag + x, _mm512_fmadd_ps(ld16(vperm + x), ld16(sg + x), ld16(ag + x)));
+    }
+#else
     positives(rec + a.KS, D, log8, a.lut, w.ks.data());
     offsets(rec + a.KO, D, log8, w.ks.data(), w.ko.data());
     positives(rec + a.KF, T, log8, a.lut, w.kf.data());
@@ -103,6 +415,7 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
       for (int64_t x = 0; x < D; x += 8) storev(ag + x, loadv(ag + x) + loadv(vperm + x) * (loadv(sg + x) + cg));
       for (int64_t x = D; x < LV; x += 8) storev(ag + x, loadv(ag + x) + loadv(vperm + x) * loadv(sg + x));
     }
+#endif
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t x = 0; x < LV; ++x) acc[g * D + vidx[x]] += accp[g * LV + x];
@@ -166,13 +479,15 @@ int kvarn::decode_attention(const Args& a) {
   const int64_t S = std::max<int64_t>(1, (a.BT_WIDTH + a.SPLIT_TILES - 1) / a.SPLIT_TILES), P = S + 1;
   std::vector<float> part((size_t)(B * H * P * G * W));  // per (b, h, part, g): m, l, acc[D]
   std::vector<Scratch> scratch((size_t)std::max<int64_t>(1, a.NTHREADS));
-  for (Scratch& w : scratch) w.fit(G, a.T, D);
+  for (Scratch& w : scratch) w.fit(G, a.T, D, a.KB, a.VB);
   #pragma omp parallel for schedule(dynamic, 1) num_threads((int)a.NTHREADS)
   for (int64_t task = 0; task < B * H * P; ++task) {
     Scratch& w = scratch[(size_t)thread_index()];
     const int64_t b = task / (H * P), h = (task / P) % H, split = task % P;
     float* base = part.data() + task * G * W;
-    std::vector<float> m(G, -INFINITY), l(G, 0.f), acc(G * D, 0.f), q(G * D), qr(G * D);
+    std::vector<float>& m = w.m; std::vector<float>& l = w.l; std::vector<float>& acc = w.acc;
+    std::vector<float>& q = w.q; std::vector<float>& qr = w.qr;
+    std::fill(m.begin(), m.end(), -INFINITY); std::fill(l.begin(), l.end(), 0.f); std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t g = 0; g < G; ++g)
       for (int64_t d = 0; d < D; ++d)
         q[g * D + d] = load(a.q, b * a.q_sb + (h * G + g) * a.q_sh + d, a.DTYPE) * (float)a.scale;
