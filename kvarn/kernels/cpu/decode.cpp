@@ -88,6 +88,31 @@ inline void row_codes(const uint8_t* row, int64_t n, const __m512 table, F&& f) 
   }
 }
 
+// as row_codes for two consecutive rows (n bytes apart): f(pos, v_row0, v_row1)
+template <int W, class F>
+inline void row_codes2(const uint8_t* row, int64_t n, const __m512 table, F&& f) {
+  constexpr int P = 8 / W;
+  if constexpr (W == 8) {
+    for (int64_t c = 0; c < n; c += 16) f(c, _mm512_cvtepi32_ps(widen16(row + c)), _mm512_cvtepi32_ps(widen16(row + n + c)));
+  } else {
+    if (n % 16 == 0) {
+      for (int64_t c = 0; c < n; c += 16) {
+        const __m512i x = widen16(row + c), y = widen16(row + n + c);
+        f(c, _mm512_permutexvar_ps(x, table), _mm512_permutexvar_ps(y, table));
+        for (int j = 1; j < P; ++j)
+          f(j * n + c, _mm512_permutexvar_ps(_mm512_srli_epi32(x, j * W), table),
+            _mm512_permutexvar_ps(_mm512_srli_epi32(y, j * W), table));
+      }
+    } else {  // n == 8
+      const __m512i x = widen8x2(row), y = widen8x2(row + n);
+      for (int j = 0; j < P; j += 2) {
+        const __m512i sh = _mm512_mask_blend_epi32((__mmask16)0xff00, _mm512_set1_epi32(j * W), _mm512_set1_epi32((j + 1) * W));
+        f(j * n, _mm512_permutexvar_ps(_mm512_srlv_epi32(x, sh), table), _mm512_permutexvar_ps(_mm512_srlv_epi32(y, sh), table));
+      }
+    }
+  }
+}
+
 // the 16 lane sums of v[0..15] (stored at v + 16 * slot(r), slot(r) = (r & 3) * 4 + (r >> 2)), as one vector
 inline int hsum_slot(int r) { return (r & 3) * 4 + (r >> 2); }
 inline __m512 hsum16(const float* v) {
@@ -150,25 +175,32 @@ inline void scores16(const uint8_t* sec, int64_t T, int64_t D, const float* qs, 
   for (int k = 0; k < Planes<BITS>::N; ++k) tables[k] = Planes<BITS>::W[k] == 8 ? _mm512_setzero_ps() : (
       Planes<BITS>::W[k] == 1 ? code_table<1>(Planes<BITS>::SHIFT[k]) : Planes<BITS>::W[k] == 2 ? code_table<2>(Planes<BITS>::SHIFT[k]) : code_table<4>(Planes<BITS>::SHIFT[k]));
   for (int64_t t16 = 0; t16 < T; t16 += 16) {
-    for (int r = 0; r < 16; ++r) {
-      __m512 acc[NG];
-      for (int k = 0; k < NG; ++k) acc[k] = _mm512_setzero_ps();
+    for (int r = 0; r < 16; r += 2) {  // two rows at a time: each query vector loaded once for both
+      __m512 acc[2][NG];
+      for (int k = 0; k < NG; ++k) acc[0][k] = acc[1][k] = _mm512_setzero_ps();
       const uint8_t* plane = sec;
       for (int pk = 0; pk < Planes<BITS>::N; ++pk) {
         const float* qp = q0 + pk * D;
-        auto fma = [&](int64_t pos, __m512 v) {
-          for (int k = 0; k < NG; ++k) acc[k] = _mm512_fmadd_ps(v, ld16(qp + k * L + pos), acc[k]);
-        };
         const int w = Planes<BITS>::W[pk];
         const int64_t n = D * w / 8;
         const uint8_t* row = plane + (t16 + r) * n;
-        if (w == 8) row_codes<8>(row, n, tables[pk], fma);
-        else if (w == 4) row_codes<4>(row, n, tables[pk], fma);
-        else if (w == 2) row_codes<2>(row, n, tables[pk], fma);
-        else row_codes<1>(row, n, tables[pk], fma);
+        auto fma2 = [&](int64_t pos, __m512 v0, __m512 v1) {
+          for (int k = 0; k < NG; ++k) {
+            const __m512 qv = ld16(qp + k * L + pos);
+            acc[0][k] = _mm512_fmadd_ps(v0, qv, acc[0][k]);
+            acc[1][k] = _mm512_fmadd_ps(v1, qv, acc[1][k]);
+          }
+        };
+        if (w == 8) row_codes2<8>(row, n, tables[pk], fma2);
+        else if (w == 4) row_codes2<4>(row, n, tables[pk], fma2);
+        else if (w == 2) row_codes2<2>(row, n, tables[pk], fma2);
+        else row_codes2<1>(row, n, tables[pk], fma2);
         plane += T * n;
       }
-      for (int k = 0; k < NG; ++k) st16(red + (k * 16 + hsum_slot(r)) * 16, acc[k]);
+      for (int k = 0; k < NG; ++k) {
+        st16(red + (k * 16 + hsum_slot(r)) * 16, acc[0][k]);
+        st16(red + (k * 16 + hsum_slot(r + 1)) * 16, acc[1][k]);
+      }
     }
     for (int k = 0; k < NG; ++k) st16(s + (g0 + k) * ld + t16, hsum16(red + k * 256));
   }
@@ -310,10 +342,11 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
     for (int64_t x = 0; x < LK; ++x) qp[g * LK + x] = qr[g * D + kidx[x]];
   std::fill(accp, accp + G * LV, 0.f);
   auto record = [&](int64_t i) { return a.cache + a.block_table[b * a.bt_sb + i] * a.cache_sb + h * a.cache_sh; };
-  // records are scattered: the first line of each section is fetched ahead, the hardware prefetcher
-  // follows the rest of the section
+  // records are scattered: every line of the next record is fetched while this one is computed (a
+  // record takes thousands of cycles, its 64-byte lines a few hundred prefetches)
+  const int64_t rec_bytes = a.VF + (a.VF - a.VO) * D / T;  // the value factors [D] end the record
   auto prefetch = [&](const uint8_t* r) {
-    for (int64_t off : {a.KC, a.KS, a.KO, a.KF, a.VC, a.VS, a.VO, a.VF}) __builtin_prefetch(r + off);
+    for (int64_t off = 0; off < rec_bytes + 63; off += 64) __builtin_prefetch(r + off);  // lines may be unaligned
   };
   if (t0 < t1) prefetch(record(t0));
   for (int64_t i = t0; i < t1; ++i) {
