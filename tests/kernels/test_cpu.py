@@ -379,11 +379,24 @@ def test_bench_tool_measures_every_method_and_replaces_its_doc_section(tmp_path:
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    rows = tool.bench_ops([1], [300], repeats=1, vllm_baseline=False)
+    rows = tool.bench_ops([1], [300], repeats=1, vllm_baseline=False, triad_bytes=4 << 20)
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 300)]
     methods = {"kvarn native", "kvarn torch", "dequantize + SDPA"} | {f"SDPA {t} KV" for t in ("bf16", "fp16", "fp32")}
     assert set(rows[0]["ms"]) == methods
     assert all(ms > 0 for ms in rows[0]["ms"].values())
+    # 2 full tiles of 128 and a tail of 44 bf16 key and value rows, 3 KV heads at head_dim 64
+    row = rows[0]
+    assert row["kvarn_bytes"] == 3 * (2 * Scheme.from_name("kvarn_k4v2_g128").tile_bytes(64) + 2 * 44 * 64 * 2)
+    assert row["kvarn_gbs"] == pytest.approx(row["kvarn_bytes"] / row["ms"]["kvarn native"] / 1e6)
+    assert row["triad_gbs"] > 0 and row["triad_share"] == pytest.approx(row["kvarn_gbs"] / row["triad_gbs"])
+    assert row["vllm_vs_kvarn"] is None  # no vLLM baseline measured
+    head, _, line = tool.ops_table(rows).splitlines()
+    assert head.endswith("| kvarn GB/s | % of triad (" + f"{row['triad_gbs']:.1f} GB/s) | CPU_ATTN / kvarn |")
+    assert line.endswith(f"| {row['kvarn_gbs']:.2f} | {100 * row['triad_share']:.0f}% | - |")
+    with_vllm = [
+        {**row, "ms": {**row["ms"], "vLLM CPU_ATTN bf16 KV": 2 * row["ms"]["kvarn native"]}, "vllm_vs_kvarn": 2.0}
+    ]
+    assert tool.ops_table(with_vllm).splitlines()[2].endswith("| 2.00x |")
     pre = tool.bench_prefill([0, 256], chunk=256, repeats=1, vllm_baseline=False)
     assert [(r["context"], r["chunk"]) for r in pre] == [(0, 256), (256, 256)]
     assert set(pre[0]["ms"]) == {"kvarn attention", "kvarn store"} and all(v > 0 for v in pre[1]["ms"].values())

@@ -1,0 +1,70 @@
+"""The native decode kernel's 8-lane fallback (built without AVX-512) against its 16-lane AVX-512
+path: both within the CPU ops' tolerance of the float reference, and close to each other, for every
+code width, fp16 and log8 parameters, sinks, rotations, head_dim 64..256 and 1..8 query heads per
+KV head. Skipped where there is no compiler or the machine lacks AVX-512 (then the default build is
+already the fallback, which tests/kernels/test_cpu.py covers)."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from kvarn.kernels import PagedContext
+from kvarn.kernels.cpu import native
+from kvarn.kernels.cpu import ops as cpu
+
+from ._reference import attention, paged_batch, sqnr_db
+from .test_cpu import MIN_SQNR_DB, scheme, staging
+
+HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
+
+
+def _has_avx512() -> bool:
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not (HAS_COMPILER and _has_avx512()), reason="needs g++ and an AVX-512 CPU")
+
+
+@functools.lru_cache(maxsize=1)
+def _fallback() -> ModuleType:
+    """The extension built for this CPU less AVX-512 (the AVX2 8-lane path)."""
+    return native._build((*native.FLAGS, *native.NATIVE_FLAGS, "-mno-avx512f"))
+
+
+CASES = [  # (scheme, sink_tokens, head_dim, query heads per KV head)
+    ("kvarn_k4v2_g128", 0, 64, 3),
+    ("kvarn_k4v4_g64", 0, 128, 1),
+    ("kvarn_k3v2_g32", 2, 64, 4),
+    ("kvarn_k2v3_g32_rot-none_it0", 0, 256, 2),
+    ("kvarn_k8v8_g32_rot-rh_s8", 0, 64, 8),
+    ("kvarn_k3v3_g64_s8", 1, 128, 5),
+    ("kvarn_k4v2_g128_sink", 0, 64, 3),
+]
+
+
+@pytest.mark.parametrize(("name", "sink_tokens", "d", "group"), CASES)
+def test_fallback_and_avx512_paths_agree(
+    name: str, sink_tokens: int, d: int, group: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sc = scheme(name, sink_tokens)
+    t = sc.group_size
+    lens = [9 * t + 5, 3, 2 * t, 17 * t + t - 1]
+    pb = paged_batch(sc, lens, 2, d, seed=5)
+    a = staging(sc, pb, True, seed=5)
+    q = torch.randn(len(lens), 2 * group, d, generator=torch.Generator().manual_seed(5))
+    ctx = PagedContext(pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, **a.kwargs)  # type: ignore[arg-type]
+    ref = torch.cat([attention(q[b : b + 1], pb.context_k[b], pb.context_v[b]) for b in range(len(lens))])
+    wide = cpu.decode_attention(q, ctx, impl="native")
+    monkeypatch.setattr(native, "extension", _fallback)
+    narrow = cpu.decode_attention(q, ctx, impl="native")
+    assert sqnr_db(ref, wide) >= MIN_SQNR_DB and sqnr_db(ref, narrow) >= MIN_SQNR_DB
+    torch.testing.assert_close(wide, narrow, atol=1e-5, rtol=1e-4)
