@@ -1,7 +1,8 @@
 """The CPU backend's :class:`~kvarn.kernels.api.AttentionOps`: attention over packed tiles and the store.
 
 Decode runs the native kernel (:mod:`.native`) where it builds and takes the tensors, else the
-torch path (vectorized PyTorch, :mod:`.torch_path`); prefill runs torch's CPU flash attention
+torch path (vectorized PyTorch, :mod:`.torch_path`); prefill runs vLLM's CPU attention kernel where
+vLLM's CPU build is loaded (:mod:`.paged_prefill`), else torch's CPU flash attention
 (:mod:`.prefill`), except short segments past their prompt (:data:`SHORT_SEGMENT` tokens or fewer),
 which the native decode kernel attends token by token so that they get the bits decoding them gives.
 Layout and token order of the context: :mod:`kvarn.kernels.api`.
@@ -23,6 +24,7 @@ from kvarn.kernels.cpu.store import quantize_tiles_cpu, store_tiles
 __all__ = ["decode_attention", "prefill_attention", "quantize_tiles_cpu", "store_tiles"]
 
 IMPLS = ("auto", "native", "torch")
+PREFILL_IMPLS = ("auto", "flash", "vllm")
 # Segments of at most this many new tokens (speculative verification, decode tokens in a step with
 # prefill chunks) are attended token by token by the decode kernel, so that they get the bits decoding
 # them would give.
@@ -72,6 +74,7 @@ def prefill_attention(
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     decode_rows: torch.Tensor | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of new tokens (a prefill or a chunk of one) over cached context plus themselves.
 
@@ -92,10 +95,14 @@ def prefill_attention(
             :data:`SHORT_SEGMENT` tokens that stay in their tile are attended by the decode kernel, and
             no other sequence is. None: every sequence that short is. A prompt's tokens then get the
             bits of the prefill path however the scheduler chunks the prompt.
+        impl: the prefill path: ``auto`` (vLLM's CPU attention kernel where vLLM's CPU build is
+            loaded, else flash attention), ``vllm`` or ``flash`` (:func:`.prefill.prefill`).
 
     Returns:
         ``[N, Hq, D]`` in ``query``'s dtype (``out`` when given).
     """
+    if impl not in PREFILL_IMPLS:
+        raise KernelArgumentError(f"impl={impl!r} is not one of: {', '.join(PREFILL_IMPLS)}")
     bsz = check_prefill(query, key, value, cu_seqlens_q, ctx, CPU)
     total, hq, d = query.shape
     if bsz and (int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != total or bool((cu_seqlens_q.diff() < 0).any())):
@@ -114,7 +121,7 @@ def prefill_attention(
     decoded = _short_segments(ctx, query, key, value, cu_seqlens_q, short)
     if decoded is None or not bool(short.all()):
         attend = None if decoded is None else ~short
-        out.copy_(prefill.prefill(ctx, query, key, value, cu_seqlens_q, attend))
+        out.copy_(prefill.prefill(ctx, query, key, value, cu_seqlens_q, attend, impl))
     if decoded is not None:
         out[decoded[0]] = decoded[1].to(out.dtype)
     return out

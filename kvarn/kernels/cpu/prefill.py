@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import torch
 
+from kvarn.kernels._checks import KernelArgumentError
 from kvarn.kernels.api import PagedContext
+from kvarn.kernels.cpu import paged_prefill
 from kvarn.kernels.cpu.dequant import dequantize_blocks
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -57,12 +59,16 @@ def prefill(
     value: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     attend: torch.Tensor | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Causal prefill attention -> ``[N, Hq, D]`` in the compute dtype (bfloat16 for a bfloat16 query,
     else float32; see :func:`kvarn.kernels.cpu.ops.prefill_attention`).
 
     Args:
         attend: ``[B]`` bool, the sequences to attend (default all); the others' rows are unspecified.
+        impl: ``flash`` (torch's flash attention, one call per segment), ``vllm`` (vLLM's CPU
+            attention kernel, :mod:`.paged_prefill`; an error where it is not loaded) or ``auto``
+            (``vllm`` where it is loaded and serves the shapes, else ``flash``).
     """
     total, hq, d = query.shape
     t = p.scheme.group_size
@@ -72,6 +78,11 @@ def prefill(
         q_lens = torch.where(attend, q_lens, 0)
     dt = torch.bfloat16 if query.dtype == torch.bfloat16 else torch.float32
     q, key, value = query.to(dt), key.to(dt), value.to(dt)
+    isa = paged_prefill.engine(dt, t, d) if impl != "flash" else None
+    if impl == "vllm" and isa is None:
+        raise KernelArgumentError(f"impl='vllm': vLLM's CPU attention ops are not loaded or do not serve head_dim {d}")
+    if isa is not None:
+        return paged_prefill.prefill(p, q, key, value, cu, q_lens, isa)
     out = torch.empty(total, hq, d, dtype=dt)
     bsz = q_lens.shape[0]
     n = p.num_tiles.long()
