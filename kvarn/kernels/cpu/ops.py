@@ -121,7 +121,9 @@ def prefill_attention(
     decoded = _short_segments(ctx, query, key, value, cu_seqlens_q, short)
     if decoded is None or not bool(short.all()):
         attend = None if decoded is None else ~short
-        out.copy_(prefill.prefill(ctx, query, key, value, cu_seqlens_q, attend, impl))
+        res = prefill.prefill(ctx, query, key, value, cu_seqlens_q, attend, impl, out=out)
+        if res is not out:
+            out.copy_(res)
     if decoded is not None:
         out[decoded[0]] = decoded[1].to(out.dtype)
     return out

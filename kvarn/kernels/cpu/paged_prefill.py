@@ -61,19 +61,20 @@ def engine(dtype: torch.dtype, group_size: int, head_dim: int) -> str | None:
 
 def prefill(
     p: PagedContext, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
-    q_lens: torch.Tensor, isa: str,
+    q_lens: torch.Tensor, isa: str, out: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
-    """Causal prefill attention of the sequences with ``q_lens > 0`` -> ``[N, Hq, D]`` in ``q``'s
-    dtype (rows of other sequences unspecified).
+    """Causal prefill attention of the sequences with ``q_lens > 0`` into ``out`` (rows of other
+    sequences unspecified); returns ``out``.
 
     Args:
-        q: ``[N, Hq, D]``; key, value: ``[N, H, D]``, all in the compute dtype (bfloat16 or float32).
+        q: ``[N, Hq, D]``; key, value: ``[N, H, D]``, all in the compute dtype (bfloat16 or float32),
+            each row's heads contiguous.
         cu: ``[B + 1]`` int64 token offsets; q_lens: ``[B]`` int64 tokens to attend per sequence.
         isa: from :func:`engine`.
+        out: ``[N, Hq, D]`` contiguous, in the compute dtype.
     """
     total, hq, d = q.shape
     h, t, dt = key.shape[1], p.scheme.group_size, q.dtype
-    out = torch.empty(total, hq, d, dtype=dt)
     seg = (q_lens > 0).nonzero().flatten()  # [S] the sequences attended
     s_n = seg.shape[0]
     if not s_n:
@@ -108,9 +109,8 @@ def prefill(
     s_ids = torch.cumsum(full_sink, 0) - full_sink + base_sink
     base_exact = base_sink + int(full_sink.sum())
     e_start = torch.cumsum(n_exact, 0) - n_exact + base_exact
-    # zeros: the kernel multiplies the rows past a sequence's end by zero weights (NaN stays NaN)
-    kc = torch.zeros(base_exact + int(n_exact.sum()), h, t, d, dtype=dt)
-    vc = torch.zeros_like(kc)
+    kc = torch.empty(base_exact + int(n_exact.sum()), h, t, d, dtype=dt)
+    vc = torch.empty_like(kc)
 
     def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:  # rows [M, H, D] to slots [M]
         if slots.numel():
@@ -147,12 +147,18 @@ def prefill(
     every = tok.shape[0] == total  # all tokens attended: no gather
     new_k, new_v = (key, value) if every else (key.index_select(0, tok), value.index_select(0, tok))
     write(new_k, new_v, (e_start * t + lead + tail).repeat_interleave(ql) + i)
+    # zeros past each segment's last row: the kernel multiplies them by zero weights (NaN would stay)
+    pad = n_exact * t - rows
+    if bool((pad > 0).any()):
+        _, r = _ranges(seg, pad)
+        zero = torch.zeros(r.shape[0], h, d, dtype=dt)
+        write(zero, zero, (e_start * t + rows).repeat_interleave(pad) + r)
 
     bt = _block_tables(table, n, full_sink, s_ids, e_start, n_exact)
     seq_lens = ((full_sink + n) * t + rows).to(torch.int32)
     qsl = torch.zeros(s_n + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(ql, 0)
-    query = q.contiguous() if every else q.index_select(0, tok)
+    query = q if every and q.stride(1) == d and q.stride(2) == 1 else q.index_select(0, tok)
     o = out if every else torch.empty_like(query)
     meta = torch.ops._C.get_scheduler_metadata(s_n, hq, h, d, seq_lens, dt, qsl, True, -1, isa, False, None, "auto")
     torch.ops._C.cpu_attention_with_kv_cache(

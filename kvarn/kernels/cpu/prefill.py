@@ -60,9 +60,11 @@ def prefill(
     cu_seqlens_q: torch.Tensor,
     attend: torch.Tensor | None = None,
     impl: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal prefill attention -> ``[N, Hq, D]`` in the compute dtype (bfloat16 for a bfloat16 query,
-    else float32; see :func:`kvarn.kernels.cpu.ops.prefill_attention`).
+    else float32; see :func:`kvarn.kernels.cpu.ops.prefill_attention`): ``out`` where it is given,
+    contiguous and of that dtype, else a new tensor.
 
     Args:
         attend: ``[B]`` bool, the sequences to attend (default all); the others' rows are unspecified.
@@ -81,9 +83,10 @@ def prefill(
     isa = paged_prefill.engine(dt, t, d) if impl != "flash" else None
     if impl == "vllm" and isa is None:
         raise KernelArgumentError(f"impl='vllm': vLLM's CPU attention ops are not loaded or do not serve head_dim {d}")
+    if out is None or out.dtype != dt or not out.is_contiguous():
+        out = torch.empty(total, hq, d, dtype=dt)
     if isa is not None:
-        return paged_prefill.prefill(p, q, key, value, cu, q_lens, isa)
-    out = torch.empty(total, hq, d, dtype=dt)
+        return paged_prefill.prefill(p, q, key, value, cu, q_lens, isa, out)
     bsz = q_lens.shape[0]
     n = p.num_tiles.long()
     tail = torch.where(q_lens > 0, p.tail_lens.long(), 0)
