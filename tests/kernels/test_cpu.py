@@ -399,7 +399,7 @@ def test_bench_tool_measures_every_method_and_replaces_its_doc_section(tmp_path:
     assert tool.ops_table(with_vllm).splitlines()[2].endswith("| 2.00x |")
     pre = tool.bench_prefill([0, 256], chunk=256, repeats=1, vllm_baseline=False)
     assert [(r["context"], r["chunk"]) for r in pre] == [(0, 256), (256, 256)]
-    assert set(pre[0]["ms"]) == {"kvarn attention", "kvarn store"} and all(v > 0 for v in pre[1]["ms"].values())
+    assert set(pre[0]["ms"]) == {"kvarn attention, flash", "kvarn store"} and all(v > 0 for v in pre[1]["ms"].values())
     assert tool.prefill_table(pre).splitlines()[2].startswith("| 0 | 256 |")
     ttft = {"kv_cache_dtype": "auto", "batch": 4, "context": 2048, "miss_s": 2.0, "miss_cpu_s": 3.0}
     ttft |= {"hit_s": 0.5, "hit_cpu_s": 0.25} | {
