@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import sys
 
 import torch
 
@@ -35,9 +36,14 @@ HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 OPS = ("get_scheduler_metadata", "cpu_attn_reshape_and_cache", "cpu_attention_with_kv_cache")
 
 
-@functools.cache
 def _registered() -> bool:
-    return platform.machine() in ("x86_64", "AMD64") and all(hasattr(torch.ops._C, op) for op in OPS)
+    """Whether vLLM's CPU ops are registered: they are once ``vllm._C`` is imported."""
+    return _registered_when("vllm._C" in sys.modules)
+
+
+@functools.cache
+def _registered_when(loaded: bool) -> bool:
+    return loaded and platform.machine() in ("x86_64", "AMD64") and all(hasattr(torch.ops._C, op) for op in OPS)
 
 
 @functools.cache
