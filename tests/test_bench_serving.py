@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.fixtures import load_tool
 
@@ -187,3 +188,10 @@ def test_phases_of_a_run_from_the_stats_lines() -> None:
     # decode never ran alone (a queue to the end): the prompt phase only
     q = bench.phases(_stats("12-05 10:00:00", 300.0, 1.0, 4, 2) + _stats("12-05 10:00:10", 0.0, 3.0, 4, 1))
     assert q["prompt_phase_s"] == 10.0 and q["gen_after_prompts"] == 30 and q["decode_only_tok_per_s"] is None
+
+
+@pytest.mark.parametrize("avx512", [True, False])
+def test_default_caches_add_fp8_where_vllm_cpu_serves_it(avx512: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    expected = ["auto", "fp8", "kvarn_k4v2_g128"] if avx512 else ["auto", "kvarn_k4v2_g128"]
+    assert bench.default_caches() == expected
