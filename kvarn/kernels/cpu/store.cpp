@@ -54,6 +54,46 @@ inline void from_half(const uint16_t* h, float* x, int64_t n) {
 #endif
 }
 
+// n elements (a multiple of 8) of a row of dtype 0 f32, 1 f16, 2 bf16 at p + off as floats
+inline void load_row(const void* p, int64_t off, int64_t dtype, int64_t n, float* out) {
+  if (dtype == 0) { std::memcpy(out, static_cast<const float*>(p) + off, n * 4); return; }
+  const uint16_t* h = static_cast<const uint16_t*>(p) + off;
+  if (dtype == 1) {
+#if defined(__F16C__)
+    for (int64_t i = 0; i < n; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+#else
+    for (int64_t i = 0; i < n; ++i) out[i] = half_to_float(h[i]);
+#endif
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) { const uint32_t b = (uint32_t)h[i] << 16; std::memcpy(out + i, &b, 4); }
+}
+
+// dst [C, R] <- src [R, C] (R, C multiples of 8), by 8 x 8 blocks
+inline void transpose(const float* __restrict src, int64_t R, int64_t C, float* __restrict dst) {
+  for (int64_t r0 = 0; r0 < R; r0 += 8)
+    for (int64_t c0 = 0; c0 < C; c0 += 8) {
+      const float* s = src + r0 * C + c0; float* d = dst + c0 * R + r0;
+#if defined(__AVX__)
+      __m256 r[8], u[8], v[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(s + i * C);
+      for (int i = 0; i < 8; i += 2) { u[i] = _mm256_unpacklo_ps(r[i], r[i + 1]); u[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]); }
+      for (int i = 0; i < 8; i += 4) {
+        v[i] = _mm256_shuffle_ps(u[i], u[i + 2], 0x44); v[i + 1] = _mm256_shuffle_ps(u[i], u[i + 2], 0xee);
+        v[i + 2] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0x44); v[i + 3] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0xee);
+      }
+      for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(d + i * R, _mm256_permute2f128_ps(v[i], v[i + 4], 0x20));
+        _mm256_storeu_ps(d + (i + 4) * R, _mm256_permute2f128_ps(v[i], v[i + 4], 0x31));
+      }
+#else
+      for (int i = 0; i < 8; ++i)
+        for (int j = 0; j < 8; ++j) d[j * R + i] = s[i * C + j];
+#endif
+    }
+}
+
 // a non-negative float32 -> (stored raw value, the float32 it decodes to)
 inline void store_positive(float x, bool log8, bool round_up, const float* lut, uint32_t* raw, float* val) {
   if (!log8) {
@@ -264,28 +304,27 @@ struct Side {
 
   // x [T, D] and xt [D, T] <- the tile at src (row stride st, dtype 0/1/2) rotated: xt's rows
   // (channels) times the signs, then the fast Walsh-Hadamard transform over the channel axis, whose
-  // butterflies combine whole rows of xt (x @ H / sqrt(D), H the Sylvester Hadamard matrix)
+  // butterflies combine whole rows of xt (x @ H / sqrt(D), H the Sylvester Hadamard matrix). Rows are
+  // loaded token by token with vector conversions, and moved between x and xt by 8 x 8 blocks.
   void load_tile(const void* src, int64_t st, int64_t dtype, int64_t rot, const float* signs) {
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t d = 0; d < D; ++d) xt[d * T + t] = load(src, t * st + d, dtype);
-    if (rot) {
-      if (signs)
-        for (int64_t d = 0; d < D; ++d)
-          for (int64_t t = 0; t < T; t += W) st_(xt + d * T + t, ld(xt + d * T + t) * bc(signs[d]));
-      for (int64_t h = 1; h < D; h *= 2)
-        for (int64_t i = 0; i < D; i += 2 * h)
-          for (int64_t j = i; j < i + h; ++j) {
-            float* a = xt + j * T; float* b = xt + (j + h) * T;
-            for (int64_t t = 0; t < T; t += W) {
-              const vf u = ld(a + t), v = ld(b + t);
-              st_(a + t, u + v); st_(b + t, u - v);
-            }
+    for (int64_t t = 0; t < T; ++t) load_row(src, t * st, dtype, D, x + t * D);
+    if (!rot) { transpose(x, T, D, xt); return; }
+    transpose(x, T, D, xt);
+    if (signs)
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t t = 0; t < T; t += W) st_(xt + d * T + t, ld(xt + d * T + t) * bc(signs[d]));
+    for (int64_t h = 1; h < D; h *= 2)
+      for (int64_t i = 0; i < D; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) {
+          float* a = xt + j * T; float* b = xt + (j + h) * T;
+          for (int64_t t = 0; t < T; t += W) {
+            const vf u = ld(a + t), v = ld(b + t);
+            st_(a + t, u + v); st_(b + t, u - v);
           }
-      const vf norm = bc(1.f / std::sqrt((float)D));
-      for (int64_t i = 0; i < T * D; i += W) st_(xt + i, ld(xt + i) * norm);
-    }
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t t = 0; t < T; ++t) x[t * D + d] = xt[d * T + t];
+        }
+    const vf norm = bc(1.f / std::sqrt((float)D));
+    for (int64_t i = 0; i < T * D; i += W) st_(xt + i, ld(xt + i) * norm);
+    transpose(xt, D, T, x);
   }
 
   // encode x [T, D] (already in this->x) into the record at rec
