@@ -144,7 +144,10 @@ def shared_planner(ctx: EngineContext, block_size: int, layer_names: list[str], 
     cap = ctx.sink_capacity
     what = "the first tile (16-bit)" if scheme.sink_tile else f"the first {cap} token(s)"
     blocks = int(ctx.vllm_config.cache_config.block_size or block_size)  # vLLM's: several tiles in a hybrid
-    logger.warning("kvarn %s: %s", scheme.name, describe(layout, ctx.tile_bytes, blocks))
+    cfg = ctx.vllm_config
+    max_len = getattr(cfg.model_config, "max_model_len", None) if cfg.model_config is not None else None
+    num_blocks = cfg.cache_config.num_gpu_blocks  # set by the worker before it builds the KV cache
+    logger.warning("kvarn %s: %s", scheme.name, describe(layout, ctx.tile_bytes, blocks, max_len, num_blocks))
     if cap:
         logger.warning(
             "kvarn %s: exact copies of %s: %d slots per layer (max(max_num_seqs=%d, KVARN_STAGING_SLOTS)) = %.1f MiB "

@@ -6,7 +6,9 @@ unquantized. They wait in the request's own *lookahead blocks*: the kvarn KV-cac
 the block pool vLLM sizes when the request is scheduled and freed with it. The tail of tile ``j``
 lives in the pages of blocks ``j + 1 .. j + L`` of the request's block table, which hold no packed
 tile until the sequence reaches them. So the memory of tails follows the requests that actually run:
-no pool is sized by ``max_num_seqs``, and the KV capacity vLLM reports is the packed one.
+no pool is sized by ``max_num_seqs``. vLLM counts them in a request's worst-case cost
+(``max_memory_usage_bytes``: the tiles of ``max_model_len`` tokens plus the ``L`` blocks), so the
+concurrency it logs and its start-up memory check see what a request really holds.
 
 Layout (:class:`TailLayout`): a page holds, per KV head, ``rows_per_page`` rows of keys then values
 in the model dtype (``[rows_per_page, 2, D]``). Row ``r`` of tile ``j`` sits at linear index
@@ -118,6 +120,11 @@ class _Tail:
     def max_num_blocks_per_req(self, vllm_config: Any, max_len: int) -> int:
         return int(super().max_num_blocks_per_req(vllm_config, max_len)) + self.tail_blocks  # type: ignore[misc]
 
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """A request's worst case: the pages of ``max_model_len`` tokens' tiles plus its tail blocks."""
+        pages = int(super().max_memory_usage_bytes(vllm_config))  # type: ignore[misc]
+        return pages + self.tail_blocks * int(self.page_size_bytes)  # type: ignore[attr-defined]
+
     @classmethod
     def merge(cls, specs: list[Any]) -> Any:
         merged = super().merge(specs)  # type: ignore[misc]
@@ -130,9 +137,11 @@ class TailSpec(_Tail, FullAttentionSpec):
 
     Every layer of the kvarn group has it (16-bit layers of the group too, so that the group is of one
     type and its block table of one width); :class:`TailManager` allocates by it. The memory vLLM
-    counts per request (``max_memory_usage_bytes``, behind the capacity it logs) stays that of the
-    request's tiles, as for vLLM's own speculative lookahead: the tail blocks are a running request's
-    cost, which kvarn logs beside it (:func:`describe`).
+    counts per request (``max_memory_usage_bytes``) is that of the tiles of ``max_model_len`` tokens
+    plus ``tail_blocks`` pages: vLLM's "Maximum concurrency" log (``num_blocks`` over that many blocks),
+    its "KV cache size" in tokens (that concurrency x ``max_model_len``), its check that one request
+    of ``max_model_len`` fits and its fitting of ``max_model_len`` to the memory all count the tail.
+    The number of blocks and the page size do not change.
     """
 
     tail_blocks: int = 0
@@ -182,18 +191,47 @@ def register_spec() -> None:
     KVCacheSpecRegistry.register(TailMLASpec, TailManager, uniform_type_base_spec=FullAttentionSpec)
 
 
-def describe(layout: TailLayout, tile_bytes: int, block_size: int) -> str:
-    """One line for the start-up log: what a running request holds beyond its tiles.
+def request_blocks(tokens: int, block_size: int, tail_blocks: int = 0) -> int:
+    """Blocks a running request of ``tokens`` tokens holds: its tokens' blocks plus its tail blocks
+    (none before it holds a token)."""
+    return -(-tokens // block_size) + tail_blocks if tokens > 0 else 0
+
+
+def requests_that_fit(num_blocks: int, per_request: int) -> int:
+    """Requests holding ``per_request`` blocks each that fit at once in a pool of ``num_blocks`` blocks
+    (vLLM's ``num_blocks``, of which its block pool keeps one back as the null block)."""
+    return max(num_blocks - 1, 0) // per_request if per_request > 0 else 0
+
+
+def describe(
+    layout: TailLayout,
+    tile_bytes: int,
+    block_size: int,
+    max_model_len: int | None = None,
+    num_blocks: int | None = None,
+) -> str:
+    """One line for the start-up log: what a running request holds beyond its tiles, and what requests
+    of 1,024 and of ``max_model_len`` tokens cost in blocks and how many fit at once in ``num_blocks``.
 
     ``tile_bytes``: bytes of one tile over every kvarn layer; ``block_size``: vLLM's block (several
-    tiles in a hybrid model)."""
+    tiles in a hybrid model, whose other groups' blocks are not counted here)."""
     blocks = -(-layout.blocks * layout.group_size // block_size)
     tokens = blocks * block_size
-    return (
+    line = (
         f"16-bit tails in vLLM's block pool: each running request holds {blocks} blocks beyond its "
         f"tiles ({tokens} tokens of packed capacity, ~{tokens // layout.group_size * tile_bytes / 2**20:.1f} "
         f"MiB), freed when it finishes; no staging pool"
     )
+    sizes = [n for n in dict.fromkeys((1024, max_model_len)) if n]
+    if not sizes:
+        return line
+    costs = []
+    for n in sizes:
+        cost = request_blocks(n, block_size, blocks)
+        fit = f", {requests_that_fit(num_blocks, cost)} at once in {num_blocks} blocks" if num_blocks else ""
+        label = " (max_model_len)" if n == max_model_len else ""
+        costs.append(f"{n:,} tokens{label}: {cost} blocks{fit}")
+    return f"{line}; a request of {'; of '.join(costs)}"
 
 
 @dataclass
