@@ -128,6 +128,7 @@ struct Side {
   alignas(64) float sum[kMaxSide], sum2[kMaxSide], tmp[kMaxSide];
   alignas(64) uint16_t h16[kMaxSide];
   uint32_t f_raw[kMaxSide], s_raw[kMaxSide], q_raw[kMaxSide];
+  uint32_t best_f_raw[kMaxSide], best_s_raw[kMaxSide], best_q_raw[kMaxSide];
   float best_f[kMaxSide], best_s[kMaxSide], best_o[kMaxSide], best_inv_s[kMaxSide], best_bias[kMaxSide];
   uint8_t codes[kMaxSide * kMaxSide];  // [T, D]
 
@@ -174,9 +175,9 @@ struct Side {
     for (int64_t i = 0; i < n; ++i) lg[i] -= m;
   }
 
+  // ec holds exp(-log_c) on entry (set by encode, then by the previous step)
   void sinkhorn_step() {
     for (int64_t t = 0; t < T; ++t) er[t] = std::exp(-log_r[t]);
-    for (int64_t d = 0; d < D; ++d) ec[d] = std::exp(-log_c[d]);
     col_std(x, T, D, er, ec);  // per channel, over tokens
     log_step(log_c, D);
     for (int64_t d = 0; d < D; ++d) ec[d] = std::exp(-log_c[d]);
@@ -327,6 +328,23 @@ struct Side {
     transpose(xt, D, T, x);
   }
 
+  // the grid's row factors f, inv_f and their stored values f_raw from the logs lf[n]: exp(lf) * base
+  // stored (fp16 rounded to nearest, W at a time; or log8)
+  void factors(const float* lf, int64_t n, float base) {
+    for (int64_t i = 0; i < n; ++i) tmp[i] = std::exp(lf[i]) * base;
+    if (log8) {
+      for (int64_t i = 0; i < n; ++i) {
+        float fv; store_positive(tmp[i], true, false, lut, &f_raw[i], &fv);
+        f[i] = std::max(fv, 1e-30f); inv_f[i] = 1.f / f[i];
+      }
+      return;
+    }
+    for (int64_t i = 0; i < n; ++i) tmp[i] = std::min(std::max(tmp[i], 0.f), kFp16Max);
+    to_half(tmp, h16, n);
+    from_half(h16, tmp, n);
+    for (int64_t i = 0; i < n; ++i) { f_raw[i] = h16[i]; f[i] = std::max(tmp[i], 1e-30f); inv_f[i] = 1.f / f[i]; }
+  }
+
   // encode x [T, D] (already in this->x) into the record at rec
   void encode(uint8_t* rec, int64_t code_off, int64_t scale_off, int64_t offset_off, int64_t factor_off) {
     const float qmax = (float)((1 << bits) - 1);
@@ -336,26 +354,26 @@ struct Side {
     for (int j = 0; j < W; ++j) amax = std::max(amax, m[j]);
     const float base = std::sqrt(std::max(amax, kMinMagnitude));
     std::fill(log_r, log_r + T, 0.f); std::fill(log_c, log_c + D, 0.f);
+    for (int64_t d = 0; d < D; ++d) ec[d] = std::exp(-log_c[d]);
     const int64_t FN = per_channel ? T : D, SN = per_channel ? D : T, PB = log8 ? 1 : 2;
     double best = INFINITY;
     for (int64_t it = 0; it <= iters; ++it) {
       if (it > 0) sinkhorn_step();
       const float* lf = per_channel ? log_r : log_c;
-      for (int64_t i = 0; i < FN; ++i) {
-        float fv; store_positive(std::exp(lf[i]) * base, log8, false, lut, &f_raw[i], &fv);
-        f[i] = std::max(fv, 1e-30f); inv_f[i] = 1.f / f[i];
-      }
+      factors(lf, FN, base);
       params(qmax);
       const double e = sq_err(qmax);
       if (it == 0 || e < best) {
         best = e;
-        for (int64_t i = 0; i < SN; ++i) { put(rec + scale_off, i, s_raw[i], PB); put(rec + offset_off, i, q_raw[i], PB); }
-        for (int64_t i = 0; i < FN; ++i) put(rec + factor_off, i, f_raw[i], PB);
+        std::copy(s_raw, s_raw + SN, best_s_raw); std::copy(q_raw, q_raw + SN, best_q_raw);
+        std::copy(f_raw, f_raw + FN, best_f_raw);
         std::copy(f, f + FN, best_f);
         std::copy(inv_s, inv_s + SN, best_inv_s);
         std::copy(bias, bias + SN, best_bias);
       }
     }
+    for (int64_t i = 0; i < SN; ++i) { put(rec + scale_off, i, best_s_raw[i], PB); put(rec + offset_off, i, best_q_raw[i], PB); }
+    for (int64_t i = 0; i < FN; ++i) put(rec + factor_off, i, best_f_raw[i], PB);
     if (!per_channel)
       for (int64_t d = 0; d < D; ++d) inv_f[d] = 1.f / best_f[d];
     final_codes(qmax);
@@ -367,22 +385,26 @@ struct Side {
     else dst[i] = (uint8_t)raw;
   }
 
+  // one w-bit plane of bits shift.. of the codes: byte k holds codes k*P .. k*P+P-1 (P = 8 / w), low
+  // bits first (rows of D codes are whole bytes, so the tile packs as one flat run)
+  template <int w>
+  void pack_plane(uint8_t* __restrict out, int shift) const {
+    constexpr int per = 8 / w, mask = (1 << w) - 1;
+    const int64_t n = T * D / per;
+    const uint8_t* __restrict c = codes;
+    for (int64_t k = 0; k < n; ++k) {
+      uint32_t byte = 0;
+      for (int j = 0; j < per; ++j) byte |= (uint32_t)((c[k * per + j] >> shift) & mask) << (j * w);
+      out[k] = (uint8_t)byte;
+    }
+  }
+
   void pack(uint8_t* out) const {  // planes (8 -> [8], 4 -> [4], 3 -> [2, 1], 2 -> [2]) packed along D
-    const int widths3[2] = {2, 1}, one[1] = {(int)bits};
-    const int* ws = bits == 3 ? widths3 : one;
-    const int n = bits == 3 ? 2 : 1;
-    int shift_bits = 0;
-    for (int k = 0; k < n; ++k) {
-      const int w = ws[k], per = 8 / w, mask = (1 << w) - 1;
-      const int64_t nb = D / per;
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t i = 0; i < nb; ++i) {
-          uint32_t byte = 0;
-          for (int j = 0; j < per; ++j) byte |= (uint32_t)((codes[t * D + i * per + j] >> shift_bits) & mask) << (j * w);
-          out[t * nb + i] = (uint8_t)byte;
-        }
-      out += T * nb;
-      shift_bits += w;
+    switch (bits) {
+      case 2: pack_plane<2>(out, 0); break;
+      case 3: pack_plane<2>(out, 0); pack_plane<1>(out + T * D / 4, 2); break;
+      case 4: pack_plane<4>(out, 0); break;
+      default: std::memcpy(out, codes, T * D); break;
     }
   }
 };
