@@ -16,6 +16,12 @@ Usage::
     KVARN_PRESET_PATH=docs/tuned python tools/capacity.py capacity --models smollm2 \
         --dtypes auto kvarn_smollm2_135m_1pct        # a tuned mixed-bit preset (its own block size)
     python tools/capacity.py throughput --context 2048 --new-tokens 32
+    python tools/capacity.py fit --kv-gib 0.25 [--model-dtype float32] [--model llama1b-shapes] [--json]
+
+Fit: how many requests of 512+128, 1,024+256, 3,000+256 and 8,192 tokens fit at once in the KV
+cache, each holding the blocks of its final length plus, for kvarn, its tail blocks, from vLLM's own
+KV-cache plan (``get_kv_cache_configs`` on the specs kvarn's plugin gives; no weights, no engine),
+with vLLM's logged "KV cache size" and "Maximum concurrency" beside them.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -279,6 +286,161 @@ def defaults_llama3_8b(dtypes: list[str], kv_gib: int = 54, max_num_seqs: int = 
     return rows
 
 
+FIT_SIZES = ((512, 128), (1024, 256), (3000, 256), (8192, 0))  # (prompt, new tokens)
+FIT_MODELS = ("smollm2-135m", "llama1b-shapes")
+
+
+def _fit_model_folder(model: str, dtype: str, layers: int, tmp: str) -> str:
+    """A folder vLLM reads the configuration of (no weights are loaded): the embedded SmolLM2 in
+    ``dtype``, or a config-only Llama with Llama-3.2-1B's layer shapes and ``layers`` layers."""
+    if model == "smollm2-135m":
+        from kvarn.models import resolve_model
+
+        return str(resolve_model("smollm2-135m", dtype=None if dtype == "float32" else dtype))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from realistic_model import LLAMA_3_2_1B
+
+    from kvarn.testing.synthetic import write_config_only
+
+    cfg = {**LLAMA_3_2_1B, "num_hidden_layers": layers, "vocab_size": 49152, "torch_dtype": dtype}
+    return str(write_config_only(Path(tmp) / f"llama1b-shapes-L{layers}", **cfg))
+
+
+def plan(
+    model_path: str, dtype: str, kv_bytes: int, model_dtype: str, max_model_len: int | None = None
+) -> dict[str, Any]:
+    """vLLM's own KV-cache plan for ``model_path`` (its configuration only) and ``kv_bytes`` of KV
+    memory, from the layer specs kvarn's plugin gives (packed pages, tail blocks, fp16 overrides) less
+    kvarn's sink pool, as the engine would size it (``get_kv_cache_configs``), and vLLM's logged
+    capacity (``get_kv_cache_capacity``). No weights, no engine."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvarn.schemes import get_preset
+    from kvarn.vllm.context import layout_for
+    from kvarn.vllm.pages import layer_page_bytes, packed_spec
+    from kvarn.vllm.plugin import is_kvarn_dtype, register, resolve_dtype
+    from kvarn.vllm.pools import pool_bytes
+    from kvarn.vllm.tail import with_tail
+
+    register()
+    name = resolve_dtype(dtype)
+    args = EngineArgs(model=model_path, kv_cache_dtype=name, block_size=block_size_for(dtype), dtype=model_dtype,
+                      kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len)  # fmt: skip
+    cfg = args.create_engine_config()
+    cfg.cache_config.kv_cache_layout = "LBHNC"  # resolved by the engine core in a real engine
+    model = cfg.model_config
+    heads, d = model.get_num_kv_heads(cfg.parallel_config), model.get_head_size()
+    layers, torch_dtype = model.get_num_layers(cfg.parallel_config), model.dtype
+    base = FullAttentionSpec(block_size=cfg.cache_config.block_size, num_kv_heads=heads, head_size=d,
+                             dtype=torch_dtype)  # fmt: skip
+    specs: dict[str, Any] = {}
+    pools = 0
+    with set_current_vllm_config(cfg):
+        layout = layout_for(cfg)
+        slots = cfg.scheduler_config.max_num_seqs
+        for i in range(layers):
+            spec: Any = base
+            if is_kvarn_dtype(name):
+                scheme = get_preset(name).scheme
+                if scheme.for_layer(i) is not None:
+                    spec = packed_spec(base, scheme, layer_page_bytes(scheme, d, i))
+                    pools += pool_bytes(scheme, heads, d, torch_dtype, slots)
+                if layout is not None:
+                    spec = with_tail(spec, layout.blocks)
+            specs[f"model.layers.{i}.self_attn.attn"] = spec
+        refused = None
+        try:
+            config = kcu.get_kv_cache_configs(cfg, [specs], [kv_bytes - pools])[0]
+        except ValueError as e:  # one request of max_model_len does not fit: vLLM would not start
+            fits = re.search(r"estimated maximum model length is (\d+)", str(e))
+            if fits is None or max_model_len is not None:
+                raise
+            refused = model.max_model_len
+            return {
+                **plan(model_path, dtype, kv_bytes, model_dtype, int(fits.group(1))),
+                "refused_max_model_len": refused,
+            }
+        tokens, concurrency = kcu.get_kv_cache_capacity(cfg, config)
+    tail = -(-layout.blocks * layout.group_size // cfg.cache_config.block_size) if layout is not None else 0
+    del torch
+    return {
+        "block_size": int(cfg.cache_config.block_size),
+        "num_blocks": int(config.num_blocks),
+        "tail_blocks": tail,
+        "max_num_seqs": int(cfg.scheduler_config.max_num_seqs),
+        "max_model_len": int(model.max_model_len),
+        "vllm_kv_tokens": int(tokens),
+        "vllm_max_concurrency": round(float(concurrency), 2),
+        "pools_mib": round(pools / 2**20, 1),
+    }
+
+
+def fit(
+    dtypes: list[str], model: str, kv_gib: float, model_dtype: str, layers: int = 4, max_model_len: int | None = None
+) -> list[dict[str, Any]]:
+    """Requests of each of :data:`FIT_SIZES` that fit at once in ``kv_gib`` GiB, per dtype: whole
+    blocks of the request's final length (prompt + new tokens) plus kvarn's tail blocks, out of the
+    blocks vLLM's plan gives (less its null block); and vLLM's logged capacity beside them. Where
+    vLLM would refuse to start (one request of the model's ``max_model_len`` does not fit), the plan
+    is made at the longest ``max_model_len`` vLLM says fits (``refused_max_model_len``: the refused one);
+    the blocks do not depend on it."""
+    from kvarn.vllm.tail import request_blocks, requests_that_fit
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = _fit_model_folder(model, model_dtype, layers, tmp)
+        for dtype in dtypes:
+            p = plan(folder, dtype, int(kv_gib * 2**30), model_dtype, max_model_len)
+            row: dict[str, Any] = {
+                "model": model,
+                "model_dtype": model_dtype,
+                "kv_gib": kv_gib,
+                "kv_cache_dtype": dtype,
+            }
+            row.update(p)
+            fits = {}
+            for prompt, new in FIT_SIZES:
+                cost = request_blocks(prompt + new, p["block_size"], p["tail_blocks"])
+                fits[f"{prompt}+{new}" if new else str(prompt)] = {
+                    "blocks": cost,
+                    "fit": requests_that_fit(p["num_blocks"], cost),
+                }
+            row["requests"] = fits
+            rows.append(row)
+    base = next((r for r in rows if r["kv_cache_dtype"] == "auto"), None)
+    for r in rows:
+        for key, f in r["requests"].items():
+            b = base["requests"][key]["fit"] if base else 0
+            f["vs_default"] = round(f["fit"] / b, 2) if b else None
+    return rows
+
+
+def fit_table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of :func:`fit`'s rows."""
+    keys = list(rows[0]["requests"]) if rows else []
+    head = ["kv_cache_dtype", "blocks", "tail blocks", "max_model_len", "vLLM: KV tokens", "vLLM: max concurrency"]
+    out = [
+        "| " + " | ".join(head + [f"{k} tokens" for k in keys]) + " |",
+        "|---" + "|---:" * (len(head) + len(keys) - 1) + "|",
+    ]
+    for r in rows:
+        mml = f"{r['max_model_len']:,}" + (
+            f" ({r['refused_max_model_len']:,} refused)" if "refused_max_model_len" in r else ""
+        )
+        cells = [f"`{r['kv_cache_dtype']}`", f"{r['num_blocks']:,}", str(r["tail_blocks"] or ""), mml,
+                 f"{r['vllm_kv_tokens']:,}", f"{r['vllm_max_concurrency']:.2f}x"]  # fmt: skip
+        for k in keys:
+            f = r["requests"][k]
+            vs = f" ({f['vs_default']:.2f}x)" if f["vs_default"] and r["kv_cache_dtype"] != "auto" else ""
+            cells.append(f"{f['fit']}{vs}")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def _vs_default(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     base = {r["model"]: r for r in rows if r["kv_cache_dtype"] == "auto"}
     for r in rows:
@@ -309,7 +471,22 @@ def main() -> None:
     t.add_argument("--context", type=int, default=2048)
     t.add_argument("--new-tokens", type=int, default=32)
     t.add_argument("--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128"])
+    g = sub.add_parser("fit", help="requests that fit at once (tails counted), from vLLM's own KV-cache plan")
+    g.add_argument("--model", choices=FIT_MODELS, default="smollm2-135m")
+    g.add_argument(
+        "--layers", type=int, default=4, help="layers of llama1b-shapes (default 4, as tools/bench_serving.py)"
+    )
+    g.add_argument("--kv-gib", type=float, default=0.25)
+    g.add_argument("--model-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    g.add_argument("--max-model-len", type=int, default=None, help="default: the model's (vLLM's default)")
+    g.add_argument("--dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128", "kvarn_k4v4_g128"])
+    g.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args()
+    if args.cmd == "fit":
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # keep stdout for the table / JSON
+        rows = fit(args.dtypes, args.model, args.kv_gib, args.model_dtype, args.layers, args.max_model_len)
+        print(json.dumps(rows, indent=1) if args.json else fit_table(rows))
+        return
     if args.cmd == "capacity":
         rows = capacity(args.dtypes, args.kv_gib, args.max_num_seqs, tuple(args.models))
     elif args.cmd == "defaults":
