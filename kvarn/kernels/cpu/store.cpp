@@ -33,6 +33,17 @@ inline void st_(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf bc(float x) { return x - vf{}; }  // broadcast
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+// square root lane by lane (correctly rounded, as std::sqrt)
+inline vf vsqrt(vf v) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_sqrt_ps((__m512)v);
+#elif defined(__AVX__)
+  return (vf)_mm256_sqrt_ps((__m256)v);
+#else
+  for (int j = 0; j < W; ++j) v[j] = std::sqrt(v[j]);
+  return v;
+#endif
+}
 // clamp(floor(u), 0, qmax) for finite u: truncation of u clamped to [0, qmax + 0.5]
 inline vf code_of(vf u, vf top) { return __builtin_convertvector(__builtin_convertvector(vmin(vmax(u, vf{}), top), vi), vf); }
 
@@ -150,7 +161,7 @@ struct Side {
     const vf inv_r = bc(1.f / (float)R);
     for (int j = 0; j < NB; ++j) {
       const vf m = a[j] * inv_r, var = a2[j] * inv_r - m * m;
-      st_(stdv + c0 + j * W, vmax(var, vf{}));
+      st_(stdv + c0 + j * W, vsqrt(vmax(var, vf{})));
     }
   }
   void col_std(const float* src, int64_t R, int64_t C, const float* rf, const float* cf) {
@@ -158,7 +169,6 @@ struct Side {
       if (C - c0 >= 4 * W) { col_std_block<4>(src, R, C, c0, rf, cf); c0 += 4 * W; }
       else { col_std_block<1>(src, R, C, c0, rf, cf); c0 += W; }
     }
-    for (int64_t c = 0; c < C; ++c) stdv[c] = std::sqrt(stdv[c]);
   }
 
   static float mean(const float* v, int64_t n) {
