@@ -72,8 +72,8 @@ def kv_tokens(llm: Any, tails: bool = False) -> int:
     if size is None:
         return int(cfg.num_gpu_blocks) * int(cfg.block_size)
     concurrency = getattr(cfg, "kv_cache_max_concurrency", None)
-    tail = 0 if tails or not concurrency else tail_blocks(vllm_config)
-    if not tail:
+    tail = tail_blocks(vllm_config) if concurrency and not tails else 0
+    if not concurrency or not tail:
         return int(size)
     blocks = int(cfg.num_gpu_blocks)
     per_request = round(blocks / concurrency)  # vLLM's blocks per max_model_len request, tails included
