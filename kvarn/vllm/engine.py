@@ -50,34 +50,23 @@ def cpu_engine(
         gc.collect()
 
 
-def kv_tokens(llm: Any, tails: bool = False) -> int:
-    """vLLM's own KV capacity in tokens, from the figure it logs as ``KV cache size: N tokens``
-    (``cache_config.kv_cache_size_tokens``): how many tokens fit when every request is
+def kv_tokens(llm: Any) -> int:
+    """vLLM's own KV capacity in tokens: the figure it logs as ``KV cache size: N tokens``
+    (``cache_config.kv_cache_size_tokens``), how many tokens fit when every request is
     ``max_model_len`` long, counted over all KV-cache groups.
 
-    vLLM counts a kvarn request's tail blocks in that figure (:class:`kvarn.vllm.tail.TailSpec`: its
-    concurrency is ``num_blocks`` over the tiles of ``max_model_len`` plus the tail blocks, the figure
-    that concurrency x ``max_model_len``). ``tails=True`` returns it as logged; by default the tail
-    blocks are taken back out (the packed capacity, what vLLM logged before it counted them), so that
-    the figure compares page bytes with vLLM's own cache: with one KV-cache group (every layer full
-    attention, kvarn's or vLLM's own) and ``max_model_len`` a multiple of the block size this is the
-    number of blocks x the block size. A model with sliding-window layers has several groups drawing
-    on one block pool, and a request holds blocks in each (its windowed layers only the window's), so
-    the figure is smaller than blocks x block size and grows with ``max_model_len``. Falls back to
-    blocks x block size for a vLLM that does not report it.
+    With one KV-cache group (every layer full attention, kvarn's or vLLM's own) and ``max_model_len``
+    a multiple of the block size this is the number of blocks x the block size. A model with
+    sliding-window layers has several groups drawing on one block pool, and a request holds blocks
+    in each (its windowed layers only the window's), so the figure is smaller than blocks x block
+    size and grows with ``max_model_len``. Falls back to blocks x block size for a vLLM that does not
+    report it. It counts a kvarn request's tiles, not its tail blocks (:func:`tail_blocks`).
     """
-    vllm_config = llm.llm_engine.vllm_config
-    cfg = vllm_config.cache_config
+    cfg = llm.llm_engine.vllm_config.cache_config
     size = getattr(cfg, "kv_cache_size_tokens", None)
-    if size is None:
-        return int(cfg.num_gpu_blocks) * int(cfg.block_size)
-    concurrency = getattr(cfg, "kv_cache_max_concurrency", None)
-    tail = tail_blocks(vllm_config) if concurrency and not tails else 0
-    if not concurrency or not tail:
+    if size is not None:
         return int(size)
-    blocks = int(cfg.num_gpu_blocks)
-    per_request = round(blocks / concurrency)  # vLLM's blocks per max_model_len request, tails included
-    return int(blocks / (per_request - tail) * vllm_config.model_config.max_model_len)  # as vLLM computes it
+    return int(cfg.num_gpu_blocks) * int(cfg.block_size)
 
 
 def tail_blocks(vllm_config: Any) -> int:

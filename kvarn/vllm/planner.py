@@ -146,7 +146,7 @@ def shared_planner(ctx: EngineContext, block_size: int, layer_names: list[str], 
     blocks = int(ctx.vllm_config.cache_config.block_size or block_size)  # vLLM's: several tiles in a hybrid
     cfg = ctx.vllm_config
     max_len = getattr(cfg.model_config, "max_model_len", None) if cfg.model_config is not None else None
-    num_blocks = cfg.cache_config.num_gpu_blocks  # set by the worker before it builds the KV cache
+    num_blocks = getattr(cfg.cache_config, "num_gpu_blocks", None)  # set by the worker before the KV cache
     logger.warning("kvarn %s: %s", scheme.name, describe(layout, ctx.tile_bytes, blocks, max_len, num_blocks))
     if cap:
         logger.warning(

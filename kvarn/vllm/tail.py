@@ -6,9 +6,9 @@ unquantized. They wait in the request's own *lookahead blocks*: the kvarn KV-cac
 the block pool vLLM sizes when the request is scheduled and freed with it. The tail of tile ``j``
 lives in the pages of blocks ``j + 1 .. j + L`` of the request's block table, which hold no packed
 tile until the sequence reaches them. So the memory of tails follows the requests that actually run:
-no pool is sized by ``max_num_seqs``. vLLM counts them in a request's worst-case cost
-(``max_memory_usage_bytes``: the tiles of ``max_model_len`` tokens plus the ``L`` blocks), so the
-concurrency it logs and its start-up memory check see what a request really holds.
+no pool is sized by ``max_num_seqs``, and the KV capacity vLLM reports is the packed one (vLLM's
+"Maximum concurrency" log counts a request's tiles only; kvarn's start-up line, :func:`describe`,
+gives what a request holds with its tail).
 
 Layout (:class:`TailLayout`): a page holds, per KV head, ``rows_per_page`` rows of keys then values
 in the model dtype (``[rows_per_page, 2, D]``). Row ``r`` of tile ``j`` sits at linear index
@@ -120,11 +120,6 @@ class _Tail:
     def max_num_blocks_per_req(self, vllm_config: Any, max_len: int) -> int:
         return int(super().max_num_blocks_per_req(vllm_config, max_len)) + self.tail_blocks  # type: ignore[misc]
 
-    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
-        """A request's worst case: the pages of ``max_model_len`` tokens' tiles plus its tail blocks."""
-        pages = int(super().max_memory_usage_bytes(vllm_config))  # type: ignore[misc]
-        return pages + self.tail_blocks * int(self.page_size_bytes)  # type: ignore[attr-defined]
-
     @classmethod
     def merge(cls, specs: list[Any]) -> Any:
         merged = super().merge(specs)  # type: ignore[misc]
@@ -137,11 +132,10 @@ class TailSpec(_Tail, FullAttentionSpec):
 
     Every layer of the kvarn group has it (16-bit layers of the group too, so that the group is of one
     type and its block table of one width); :class:`TailManager` allocates by it. The memory vLLM
-    counts per request (``max_memory_usage_bytes``) is that of the tiles of ``max_model_len`` tokens
-    plus ``tail_blocks`` pages: vLLM's "Maximum concurrency" log (``num_blocks`` over that many blocks),
-    its "KV cache size" in tokens (that concurrency x ``max_model_len``), its check that one request
-    of ``max_model_len`` fits and its fitting of ``max_model_len`` to the memory all count the tail.
-    The number of blocks and the page size do not change.
+    counts per request (``max_memory_usage_bytes``, behind the capacity it logs) stays that of the
+    request's tiles: counting the tail there also changes how vLLM plans the pages of a hybrid
+    model's groups (docs/capacity.md). The tail blocks are a running request's cost, which kvarn
+    logs beside it (:func:`describe`).
     """
 
     tail_blocks: int = 0

@@ -164,59 +164,22 @@ def _config(max_model_len: int) -> Any:
     )
 
 
-def test_a_requests_memory_counts_its_tail_blocks() -> None:
-    """vLLM's worst case per request (``max_memory_usage_bytes``) is the tiles of max_model_len plus
-    the tail blocks, for plain, MLA and merged specs; the page and the block are unchanged."""
+def test_vllms_per_request_memory_counts_tiles_and_the_tail_is_kvarns_to_report() -> None:
+    """vLLM's worst case per request (``max_memory_usage_bytes``, behind its logged concurrency) stays
+    the tiles of max_model_len, for plain and MLA specs, page and block unchanged by the tail; what
+    a request holds with its tail is :func:`request_blocks` (kvarn's start-up line)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-    from kvarn.vllm.tail import TailSpec, with_tail
+    from kvarn.vllm.tail import request_blocks, with_tail
 
     base = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
     spec = with_tail(base, 5)
     cfg = _config(1536)
-    assert base.max_memory_usage_bytes(cfg) == 12 * base.page_size_bytes
-    assert spec.max_memory_usage_bytes(cfg) == (12 + 5) * base.page_size_bytes
-    assert spec.max_memory_usage_bytes(_config(1000)) == (8 + 5) * base.page_size_bytes
+    assert spec.max_memory_usage_bytes(cfg) == base.max_memory_usage_bytes(cfg) == 12 * base.page_size_bytes
     assert (spec.page_size_bytes, spec.block_size) == (base.page_size_bytes, base.block_size)
-    assert TailSpec.merge([spec, spec]).max_memory_usage_bytes(cfg) == 17 * base.page_size_bytes
     mla = MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
-    assert with_tail(mla, 3).max_memory_usage_bytes(cfg) == (12 + 3) * mla.page_size_bytes
-
-
-def test_vllms_concurrency_and_tokens_count_the_tail() -> None:
-    """vLLM's "Maximum concurrency" is num_blocks / (tiles of max_model_len + tail blocks), its KV
-    tokens that times max_model_len, for a group of mixed pages too; kv_tokens takes the tail back out."""
-    from types import SimpleNamespace
-
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        UniformTypeKVCacheSpecs,
-    )
-
-    from kvarn.vllm import engine
-    from kvarn.vllm.tail import with_tail
-
-    cfg = _config(1536)
-    narrow = with_tail(FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16), 5)
-    wide = with_tail(FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=128, dtype=torch.bfloat16), 5)
-    for spec in (narrow, UniformTypeKVCacheSpecs.from_specs({"a": narrow, "b": wide})):
-        config = KVCacheConfig(num_blocks=404, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a"], spec)])
-        tokens, concurrency = get_kv_cache_capacity(cfg, config)  # type: ignore[arg-type]
-        assert concurrency == pytest.approx(404 / (12 + 5)) and tokens == int(404 / 17 * 1536)
-    cache = SimpleNamespace(num_gpu_blocks=404, block_size=128, kv_cache_size_tokens=tokens,
-                            kv_cache_max_concurrency=concurrency)  # fmt: skip
-    llm: Any = SimpleNamespace(
-        llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache, model_config=cfg.model_config))
-    )
-    engine_tail = engine.tail_blocks
-    try:
-        engine.tail_blocks = lambda _: 5  # type: ignore[assignment]
-        assert engine.kv_tokens(llm) == 404 * 128 and engine.kv_tokens(llm, tails=True) == tokens
-    finally:
-        engine.tail_blocks = engine_tail  # type: ignore[assignment]
+    assert with_tail(mla, 3).max_memory_usage_bytes(cfg) == 12 * mla.page_size_bytes
+    assert request_blocks(1536, 128, spec.tail_blocks) == 12 + 5
 
 
 def test_request_blocks_and_requests_that_fit() -> None:
