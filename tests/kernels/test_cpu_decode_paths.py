@@ -6,11 +6,6 @@ already the fallback, which tests/kernels/test_cpu.py covers)."""
 
 from __future__ import annotations
 
-import functools
-import shutil
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 import torch
 
@@ -18,26 +13,11 @@ from kvarn.kernels import PagedContext
 from kvarn.kernels.cpu import native
 from kvarn.kernels.cpu import ops as cpu
 
+from ._fallback_build import fallback, needs_avx512
 from ._reference import attention, paged_batch, sqnr_db
 from .test_cpu import MIN_SQNR_DB, scheme, staging
 
-HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
-
-
-def _has_avx512() -> bool:
-    try:
-        return " avx512f" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not (HAS_COMPILER and _has_avx512()), reason="needs g++ and an AVX-512 CPU")
-
-
-@functools.lru_cache(maxsize=1)
-def _fallback() -> ModuleType:
-    """The extension built for this CPU less AVX-512 (the AVX2 8-lane path)."""
-    return native._build((*native.FLAGS, *native.NATIVE_FLAGS, "-mno-avx512f"))
+pytestmark = needs_avx512
 
 
 CASES = [  # (scheme, sink_tokens, head_dim, query heads per KV head)
@@ -64,7 +44,7 @@ def test_fallback_and_avx512_paths_agree(
     ctx = PagedContext(pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, **a.kwargs)  # type: ignore[arg-type]
     ref = torch.cat([attention(q[b : b + 1], pb.context_k[b], pb.context_v[b]) for b in range(len(lens))])
     wide = cpu.decode_attention(q, ctx, impl="native")
-    monkeypatch.setattr(native, "extension", _fallback)
+    monkeypatch.setattr(native, "extension", fallback)
     narrow = cpu.decode_attention(q, ctx, impl="native")
     assert sqnr_db(ref, wide) >= MIN_SQNR_DB and sqnr_db(ref, narrow) >= MIN_SQNR_DB
     torch.testing.assert_close(wide, narrow, atol=1e-5, rtol=1e-4)

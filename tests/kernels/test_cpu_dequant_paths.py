@@ -7,36 +7,16 @@ default build is already the fallback, which tests/kernels/test_cpu.py covers)."
 
 from __future__ import annotations
 
-import functools
-import shutil
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 import torch
 
 from kvarn.kernels.cpu import native
 from kvarn.schemes.scheme import Scheme
 
+from ._fallback_build import fallback, needs_avx512
 from .test_cpu import store_inputs
 
-HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
-
-
-def _has_avx512() -> bool:
-    try:
-        return " avx512f" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not (HAS_COMPILER and _has_avx512()), reason="needs g++ and an AVX-512 CPU")
-
-
-@functools.lru_cache(maxsize=1)
-def _fallback() -> ModuleType:
-    """The extension built for this CPU less AVX-512 (the AVX2 8-lane path)."""
-    return native._build((*native.FLAGS, *native.NATIVE_FLAGS, "-mno-avx512f"))
+pytestmark = needs_avx512
 
 
 CASES = [  # (scheme, head_dim, dtype)
@@ -70,7 +50,7 @@ def test_fallback_dequantize_matches_the_reference_and_avx512(
     pages[blocks, :, :nb] = rec
     ref = [x.view(u, h, t, d).transpose(0, 1) for x in dequantize_tiles(rec.view(u * h, nb), sc, d)]
     wide = dequantize_blocks(pages[:, :, :nb], blocks, sc, d, dtype)
-    monkeypatch.setattr(native, "extension", _fallback)
+    monkeypatch.setattr(native, "extension", fallback)
     narrow = dequantize_blocks(pages[:, :, :nb], blocks, sc, d, dtype)
     for mine, other, theirs in zip(narrow, wide, ref, strict=True):
         assert mine.shape == (h, u, t, d) and mine.dtype == dtype
@@ -81,7 +61,7 @@ def test_fallback_dequantize_matches_the_reference_and_avx512(
     # rows wider than D (the kernel's token stride): the padding is left alone
     out_k = torch.full((h, u, t, d + 8), 3.0, dtype=dtype)
     out_v = torch.full((h, u, t, d + 8), 3.0, dtype=dtype)
-    _fallback().dequant(
+    fallback().dequant(
         pages[:, :, :nb],
         blocks,
         log8_table(CPU),

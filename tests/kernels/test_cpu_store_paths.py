@@ -7,36 +7,16 @@ is already the fallback, which tests/kernels/test_cpu.py covers)."""
 
 from __future__ import annotations
 
-import functools
-import shutil
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 import torch
 
 from kvarn.kernels.cpu import native
 from kvarn.schemes.scheme import Scheme
 
+from ._fallback_build import fallback, needs_avx512
 from .test_cpu import assert_store_matches_reference, store_inputs
 
-HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
-
-
-def _has_avx512() -> bool:
-    try:
-        return " avx512f" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not (HAS_COMPILER and _has_avx512()), reason="needs g++ and an AVX-512 CPU")
-
-
-@functools.lru_cache(maxsize=1)
-def _fallback() -> ModuleType:
-    """The extension built for this CPU less AVX-512 (the AVX2 8-lane path)."""
-    return native._build((*native.FLAGS, *native.NATIVE_FLAGS, "-mno-avx512f"))
+pytestmark = needs_avx512
 
 
 CASES = [  # (scheme, head_dim, dtype, strided)
@@ -68,7 +48,7 @@ def test_fallback_store_matches_the_reference(
         v = wide[..., :d]
     nb = sc.tile_bytes(d)
     ids = torch.tensor([3, 0, 5, 1])
-    monkeypatch.setattr(native, "extension", _fallback)
+    monkeypatch.setattr(native, "extension", fallback)
     narrow = torch.zeros(n + 2, h, nb, dtype=torch.uint8)
     store_tiles(k, v, narrow, ids, sc, impl="native")
     ref = quantize_tiles(k.reshape(n * h, t, d), v.reshape(n * h, t, d), sc)
