@@ -388,7 +388,7 @@ def fit(
     vLLM would refuse to start (one request of the model's ``max_model_len`` does not fit), the plan
     is made at the longest ``max_model_len`` vLLM says fits (``refused_max_model_len``: the refused one);
     the blocks do not depend on it."""
-    from kvarn.vllm.tail import request_blocks, requests_that_fit
+    from kvarn.vllm.tail_cost import request_blocks, requests_that_fit
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,7 +23,8 @@ from kvarn.vllm.pools import sink_capacity
 from kvarn.vllm.sinks import SinkPool
 from kvarn.vllm.staging import LiveBlocks, RequestPlan
 from kvarn.vllm.step import StepTensors, build_step
-from kvarn.vllm.tail import Scratch, TailLayout, TailMoves, describe, plan_tails
+from kvarn.vllm.tail import Scratch, TailLayout, TailMoves, plan_tails
+from kvarn.vllm.tail_cost import describe
 
 logger = logging.getLogger("kvarn.vllm")
 

@@ -7,8 +7,8 @@ the block pool vLLM sizes when the request is scheduled and freed with it. The t
 lives in the pages of blocks ``j + 1 .. j + L`` of the request's block table, which hold no packed
 tile until the sequence reaches them. So the memory of tails follows the requests that actually run:
 no pool is sized by ``max_num_seqs``, and the KV capacity vLLM reports is the packed one (vLLM's
-"Maximum concurrency" log counts a request's tiles only; kvarn's start-up line, :func:`describe`,
-gives what a request holds with its tail).
+"Maximum concurrency" log counts a request's tiles only; kvarn's start-up line,
+:func:`kvarn.vllm.tail_cost.describe`, gives what a request holds with its tail).
 
 Layout (:class:`TailLayout`): a page holds, per KV head, ``rows_per_page`` rows of keys then values
 in the model dtype (``[rows_per_page, 2, D]``). Row ``r`` of tile ``j`` sits at linear index
@@ -135,7 +135,7 @@ class TailSpec(_Tail, FullAttentionSpec):
     counts per request (``max_memory_usage_bytes``, behind the capacity it logs) stays that of the
     request's tiles: counting the tail there also changes how vLLM plans the pages of a hybrid
     model's groups (docs/capacity.md). The tail blocks are a running request's cost, which kvarn
-    logs beside it (:func:`describe`).
+    logs beside it (:func:`kvarn.vllm.tail_cost.describe`).
     """
 
     tail_blocks: int = 0
@@ -183,49 +183,6 @@ def register_spec() -> None:
 
     KVCacheSpecRegistry.register(TailSpec, TailManager, uniform_type_base_spec=FullAttentionSpec)
     KVCacheSpecRegistry.register(TailMLASpec, TailManager, uniform_type_base_spec=FullAttentionSpec)
-
-
-def request_blocks(tokens: int, block_size: int, tail_blocks: int = 0) -> int:
-    """Blocks a running request of ``tokens`` tokens holds: its tokens' blocks plus its tail blocks
-    (none before it holds a token)."""
-    return -(-tokens // block_size) + tail_blocks if tokens > 0 else 0
-
-
-def requests_that_fit(num_blocks: int, per_request: int) -> int:
-    """Requests holding ``per_request`` blocks each that fit at once in a pool of ``num_blocks`` blocks
-    (vLLM's ``num_blocks``, of which its block pool keeps one back as the null block)."""
-    return max(num_blocks - 1, 0) // per_request if per_request > 0 else 0
-
-
-def describe(
-    layout: TailLayout,
-    tile_bytes: int,
-    block_size: int,
-    max_model_len: int | None = None,
-    num_blocks: int | None = None,
-) -> str:
-    """One line for the start-up log: what a running request holds beyond its tiles, and what requests
-    of 1,024 and of ``max_model_len`` tokens cost in blocks and how many fit at once in ``num_blocks``.
-
-    ``tile_bytes``: bytes of one tile over every kvarn layer; ``block_size``: vLLM's block (several
-    tiles in a hybrid model, whose other groups' blocks are not counted here)."""
-    blocks = -(-layout.blocks * layout.group_size // block_size)
-    tokens = blocks * block_size
-    line = (
-        f"16-bit tails in vLLM's block pool: each running request holds {blocks} blocks beyond its "
-        f"tiles ({tokens} tokens of packed capacity, ~{tokens // layout.group_size * tile_bytes / 2**20:.1f} "
-        f"MiB), freed when it finishes; no staging pool"
-    )
-    sizes = [n for n in dict.fromkeys((1024, max_model_len)) if n]
-    if not sizes:
-        return line
-    costs = []
-    for n in sizes:
-        cost = request_blocks(n, block_size, blocks)
-        fit = f", {requests_that_fit(num_blocks, cost)} at once in {num_blocks} blocks" if num_blocks else ""
-        label = " (max_model_len)" if n == max_model_len else ""
-        costs.append(f"{n:,} tokens{label}: {cost} blocks{fit}")
-    return f"{line}; a request of {'; of '.join(costs)}"
 
 
 @dataclass

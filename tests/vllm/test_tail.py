@@ -170,7 +170,8 @@ def test_vllms_per_request_memory_counts_tiles_and_the_tail_is_kvarns_to_report(
     a request holds with its tail is :func:`request_blocks` (kvarn's start-up line)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-    from kvarn.vllm.tail import request_blocks, with_tail
+    from kvarn.vllm.tail import with_tail
+    from kvarn.vllm.tail_cost import request_blocks
 
     base = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
     spec = with_tail(base, 5)
@@ -185,7 +186,7 @@ def test_vllms_per_request_memory_counts_tiles_and_the_tail_is_kvarns_to_report(
 def test_request_blocks_and_requests_that_fit() -> None:
     """A request holds its tokens' blocks plus the tail from its first token; vLLM's pool keeps one
     block back (the null block); the start-up line says both for 1,024 tokens and max_model_len."""
-    from kvarn.vllm.tail import describe, request_blocks, requests_that_fit
+    from kvarn.vllm.tail_cost import describe, request_blocks, requests_that_fit
 
     assert [request_blocks(n, 128, 5) for n in (0, 1, 128, 129, 1024, 1280, 8192)] == [0, 6, 6, 7, 13, 15, 69]
     assert request_blocks(1280, 128) == 10
