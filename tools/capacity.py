@@ -233,6 +233,34 @@ def _row(model: str, dtype: str, cfg: Any, tokens: int, pools: float) -> dict[st
     }
 
 
+def layer_specs(cfg: Any, name: str, base: Any, layers: int, slots: int) -> tuple[dict[str, Any], int]:
+    """The KV-cache spec of each of ``layers`` full-attention layers as kvarn's plugin gives them for
+    the dtype ``name`` (packed pages, tail blocks; ``base`` for vLLM's own layers), inside
+    ``set_current_vllm_config(cfg)``, and the bytes of kvarn's sink pools for ``slots`` sequences."""
+    from kvarn.schemes import get_preset
+    from kvarn.vllm.context import layout_for
+    from kvarn.vllm.pages import layer_page_bytes, packed_spec
+    from kvarn.vllm.plugin import is_kvarn_dtype
+    from kvarn.vllm.pools import pool_bytes
+    from kvarn.vllm.tail import with_tail
+
+    heads, d = base.num_kv_heads, base.head_size
+    layout = layout_for(cfg)
+    specs: dict[str, Any] = {}
+    pools = 0
+    for i in range(layers):
+        spec: Any = base
+        if is_kvarn_dtype(name):
+            scheme = get_preset(name).scheme
+            if scheme.for_layer(i) is not None:
+                spec = packed_spec(base, scheme, layer_page_bytes(scheme, d, i))
+                pools += pool_bytes(scheme, heads, d, base.dtype, slots)
+            if layout is not None:
+                spec = with_tail(spec, layout.blocks)
+        specs[f"model.layers.{i}.self_attn.attn"] = spec
+    return specs, pools
+
+
 def defaults_llama3_8b(dtypes: list[str], kv_gib: int = 54, max_num_seqs: int = 1024) -> list[dict[str, Any]]:
     """Llama-3-8B's shapes at an H100's defaults (``max_num_seqs`` 1024, 54 GiB of KV memory), sized by
     vLLM's own KV-cache planning on CPU from the layer specs kvarn's patches give (no weights, no
@@ -243,13 +271,8 @@ def defaults_llama3_8b(dtypes: list[str], kv_gib: int = 54, max_num_seqs: int = 
     from vllm.v1.core import kv_cache_utils as kcu
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from kvarn.schemes import get_preset
     from kvarn.testing.synthetic import write_config_only
-    from kvarn.vllm.context import layout_for
-    from kvarn.vllm.pages import layer_page_bytes, packed_spec
-    from kvarn.vllm.plugin import is_kvarn_dtype, register, resolve_dtype
-    from kvarn.vllm.pools import pool_bytes
-    from kvarn.vllm.tail import with_tail
+    from kvarn.vllm.plugin import register, resolve_dtype
 
     register()
     rows = []
@@ -264,20 +287,8 @@ def defaults_llama3_8b(dtypes: list[str], kv_gib: int = 54, max_num_seqs: int = 
             heads, d, layers = 8, 128, 32
             base = FullAttentionSpec(block_size=cfg.cache_config.block_size, num_kv_heads=heads, head_size=d,
                                      dtype=torch.bfloat16)  # fmt: skip
-            specs: dict[str, Any] = {}
-            pools = 0
             with set_current_vllm_config(cfg):
-                layout = layout_for(cfg)
-                for i in range(layers):
-                    spec: Any = base
-                    if is_kvarn_dtype(name):
-                        scheme = get_preset(name).scheme
-                        if scheme.for_layer(i) is not None:
-                            spec = packed_spec(base, scheme, layer_page_bytes(scheme, d, i))
-                            pools += pool_bytes(scheme, heads, d, torch.bfloat16, max_num_seqs)
-                        if layout is not None:
-                            spec = with_tail(spec, layout.blocks)
-                    specs[f"model.layers.{i}.self_attn.attn"] = spec
+                specs, pools = layer_specs(cfg, name, base, layers, max_num_seqs)
                 config = kcu.get_kv_cache_configs(cfg, [specs], [kv_gib * 2**30 - pools])[0]
                 tokens, _ = kcu.get_kv_cache_capacity(cfg, config)
                 cfg.cache_config.num_gpu_blocks = config.num_blocks
@@ -313,18 +324,13 @@ def plan(
     memory, from the layer specs kvarn's plugin gives (packed pages, tail blocks, fp16 overrides) less
     kvarn's sink pool, as the engine would size it (``get_kv_cache_configs``), and vLLM's logged
     capacity (``get_kv_cache_capacity``). No weights, no engine."""
-    import torch
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core import kv_cache_utils as kcu
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from kvarn.schemes import get_preset
-    from kvarn.vllm.context import layout_for
-    from kvarn.vllm.pages import layer_page_bytes, packed_spec
-    from kvarn.vllm.plugin import is_kvarn_dtype, register, resolve_dtype
-    from kvarn.vllm.pools import pool_bytes
-    from kvarn.vllm.tail import with_tail
+    from kvarn.vllm.engine import tail_blocks
+    from kvarn.vllm.plugin import register, resolve_dtype
 
     register()
     name = resolve_dtype(dtype)
@@ -337,36 +343,21 @@ def plan(
     layers, torch_dtype = model.get_num_layers(cfg.parallel_config), model.dtype
     base = FullAttentionSpec(block_size=cfg.cache_config.block_size, num_kv_heads=heads, head_size=d,
                              dtype=torch_dtype)  # fmt: skip
-    specs: dict[str, Any] = {}
-    pools = 0
     with set_current_vllm_config(cfg):
-        layout = layout_for(cfg)
-        slots = cfg.scheduler_config.max_num_seqs
-        for i in range(layers):
-            spec: Any = base
-            if is_kvarn_dtype(name):
-                scheme = get_preset(name).scheme
-                if scheme.for_layer(i) is not None:
-                    spec = packed_spec(base, scheme, layer_page_bytes(scheme, d, i))
-                    pools += pool_bytes(scheme, heads, d, torch_dtype, slots)
-                if layout is not None:
-                    spec = with_tail(spec, layout.blocks)
-            specs[f"model.layers.{i}.self_attn.attn"] = spec
-        refused = None
+        specs, pools = layer_specs(cfg, name, base, layers, cfg.scheduler_config.max_num_seqs)
         try:
             config = kcu.get_kv_cache_configs(cfg, [specs], [kv_bytes - pools])[0]
         except ValueError as e:  # one request of max_model_len does not fit: vLLM would not start
             fits = re.search(r"estimated maximum model length is (\d+)", str(e))
             if fits is None or max_model_len is not None:
                 raise
-            refused = model.max_model_len
             return {
                 **plan(model_path, dtype, kv_bytes, model_dtype, int(fits.group(1))),
-                "refused_max_model_len": refused,
+                "refused_max_model_len": model.max_model_len,
             }
         tokens, concurrency = kcu.get_kv_cache_capacity(cfg, config)
-    tail = -(-layout.blocks * layout.group_size // cfg.cache_config.block_size) if layout is not None else 0
-    del torch
+    with set_current_vllm_config(cfg):
+        tail = tail_blocks(cfg)
     return {
         "block_size": int(cfg.cache_config.block_size),
         "num_blocks": int(config.num_blocks),
