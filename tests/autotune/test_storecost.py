@@ -39,11 +39,23 @@ def test_cost_sums_layers_measures_each_layout_once_and_unquantized_layers_are_f
     assert sorted(calls) == ["kvarn_k4v2_g128", "kvarn_k4v4_g128"]  # cached per layout
 
 
-@pytest.mark.slow
-def test_the_real_store_costs_more_with_more_iterations() -> None:
-    it0, it16 = (time_store(Scheme.from_name(n), 64, tokens=1024, repeats=5) for n in ("kvarn_k4v2_g128_it0",
-                                                                                      "kvarn_k4v2_g128_it16"))  # fmt: skip
-    assert 0.0 < it0 < it16 and math.isfinite(it16)  # 17 Sinkhorn iterates against one
+def test_the_real_store_is_timed_with_the_schemes_iterations(monkeypatch: pytest.MonkeyPatch) -> None:
+    # which costs more is a property of the machine, measured by kvarn-tune itself, not asserted here
+    from kvarn.kernels.cpu import store
+
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    real = store.quantize_tiles_cpu
+
+    def counted(keys, values, scheme):  # type: ignore[no-untyped-def]
+        seen.append((scheme.norm_iters, tuple(keys.shape)))
+        return real(keys, values, scheme)
+
+    monkeypatch.setattr(store, "quantize_tiles_cpu", counted)
+    for name, iters in (("kvarn_k4v2_g128_it0", 0), ("kvarn_k4v2_g128_it16", 16)):
+        seen.clear()
+        ns = time_store(Scheme.from_name(name), 64, tokens=1024, repeats=3)
+        assert ns > 0.0 and math.isfinite(ns)
+        assert seen == [(iters, (8, 128, 64))] * 4  # one untimed store that builds the kernel, then 3 timed
 
 
 def _config(tmp_path: Path, **kw: object) -> TuneConfig:
