@@ -1,13 +1,13 @@
 """Measure issue 36's research codecs in decode mode beside kvarn presets (docs/accuracy.md, "Below 3 bits").
 
-Any name ``kvarn eval`` takes, the research baselines (``kvarn.baselines.research.RESEARCH``, such
+Any name ``kvarn eval`` takes, the research baselines (``kvarn.research.baselines.RESEARCH``, such
 as ``vq_k3v2``), a preset's error split
 (``k3v2s8_keys_exact``, ``k3v2s8_values_exact``: one side exact) and the calibrated low-rank
 keys ``lowrank<B>`` (keys: ``B`` code bits per key vector in a per-layer PCA basis fitted on
 ``--calib-text``; values: the reference codec's 2-bit side, log8; ``lowrank<B>_vq``: values by
 ``vq_k3v2``'s 4-dim vector quantization; ``lowrank<B>_vexact``: values exact), and the
 reference codec's sides in a metric (``metric_k<K>[w]v<V>[w]``; ``w``: keys weighted by the
-calibrated queries, values by the output projection, :mod:`kvarn.codec.metric`). The harness passes each layer's
+calibrated queries, values by the output projection, :mod:`kvarn.research.metric`). The harness passes each layer's
 index to the research baselines (``state["layer"]``), which ``kvarn eval`` does not.
 
     OMP_WAIT_POLICY=PASSIVE python tools/subbit_eval.py --schemes fp16,kvarn_k3v2_g128_s8,lowrank200 \
@@ -29,16 +29,16 @@ from transformers.models.llama import modeling_llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first
 
-from kvarn.baselines.research import ERROR_SPLITS, RESEARCH, TILE, ExactSide, KvarnSide, MetricSide, SplitBaseline  # noqa: E402
-from kvarn.codec.lowrank import KeyBasis, LowRankKeys, fit_basis  # noqa: E402
-from kvarn.codec.metric import LayerMetric, sqrt_metric  # noqa: E402
-from kvarn.codec.vq import VQSide  # noqa: E402
 from kvarn.eval.harness import Evaluator  # noqa: E402
 from kvarn.eval.task import progress_bar  # noqa: E402
 from kvarn.hf import FP16, KVarNCache  # noqa: E402
 from kvarn.hf.committers import BaselineCommitter  # noqa: E402
 from kvarn.hf.layers import KVarNLayer  # noqa: E402
 from kvarn.hf.spec import Spec  # noqa: E402
+from kvarn.research.baselines import ERROR_SPLITS, RESEARCH, TILE, ExactSide, KvarnSide, MetricSide, SplitBaseline  # noqa: E402
+from kvarn.research.lowrank import KeyBasis, LowRankKeys, fit_basis  # noqa: E402
+from kvarn.research.metric import LayerMetric, sqrt_metric  # noqa: E402
+from kvarn.research.vq import VQSide  # noqa: E402
 
 
 class LayerEvaluator(Evaluator):

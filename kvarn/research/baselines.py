@@ -6,8 +6,8 @@ sequence's first token exact as every built-in preset does (``exact_tokens``; it
 out exactly as :meth:`kvarn.schemes.Scheme.bits_per_element` does without ``context``).
 
 * :class:`SplitBaseline`: keys and values each by their own side codec (:class:`KvarnSide`, the
-  reference codec's one side; :class:`ExactSide`; :class:`kvarn.codec.vq.VQSide`;
-  :class:`kvarn.codec.lowrank.LowRankKeys`). Also how the error of a preset splits between keys and
+  reference codec's one side; :class:`ExactSide`; :class:`kvarn.research.vq.VQSide`;
+  :class:`kvarn.research.lowrank.LowRankKeys`). Also how the error of a preset splits between keys and
   values (one side exact).
 * :class:`DenseSparseBaseline`: the reference codec at low bits over tiles whose largest
   outliers were taken out, the outliers kept as float16 with their positions.
@@ -25,9 +25,9 @@ import torch
 
 from kvarn.baselines.base import Baseline, to_fp16
 from kvarn.codec import dequantize_tiles, quantize_tiles
-from kvarn.codec.metric import LayerMetric, apply
 from kvarn.codec.rotation import rotate, unrotate
-from kvarn.codec.vq import VQSide
+from kvarn.research.metric import LayerMetric, apply
+from kvarn.research.vq import VQSide
 from kvarn.schemes import Scheme
 
 TILE = 128
@@ -110,7 +110,7 @@ class RotatedSparseSide:
 
 @dataclass(frozen=True)
 class MetricSide:
-    """``inner`` applied to ``x A`` of the layer's :class:`kvarn.codec.metric.LayerMetric`, mapped back
+    """``inner`` applied to ``x A`` of the layer's :class:`kvarn.research.metric.LayerMetric`, mapped back
     with ``A^-1``: the same bytes as ``inner``, the squared error weighted by the metric."""
 
     inner: SideCodec = ExactSide()

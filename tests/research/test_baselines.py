@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvarn.baselines.base import to_fp16
-from kvarn.baselines.research import (
+from kvarn.research.baselines import (
     ERROR_SPLITS,
     RESEARCH,
     TILE,
@@ -16,9 +16,9 @@ from kvarn.baselines.research import (
     MetricSide,
     SplitBaseline,
 )
-from kvarn.codec.lowrank import LowRankKeys, allocate_bits, fit_basis
-from kvarn.codec.metric import sqrt_metric
-from kvarn.codec.vq import VQSide, gaussian_codebook, vq_round
+from kvarn.research.lowrank import LowRankKeys, allocate_bits, fit_basis
+from kvarn.research.metric import sqrt_metric
+from kvarn.research.vq import VQSide, gaussian_codebook, vq_round
 from kvarn.schemes import Scheme
 
 D = 64
