@@ -8,17 +8,24 @@ on how the prompt was split or whether its prefix was cached.
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
 from kvarn.codec import dequantize_tiles, quantize_tiles  # noqa: E402
+from kvarn.kernels import AttentionOps  # noqa: E402
+from kvarn.kernels.cpu import ops as cpu_ops  # noqa: E402
+from kvarn.kernels.cpu.ops import SHORT_SEGMENT  # noqa: E402
 from kvarn.schemes import Scheme  # noqa: E402
 from kvarn.vllm.forward import run_layer  # noqa: E402
 from kvarn.vllm.sinks import SinkPool  # noqa: E402
 from kvarn.vllm.step import build_step  # noqa: E402
 from kvarn.vllm.tail import Scratch, plan_tails, tail_layout  # noqa: E402
+from tests.kernels._reference import sqnr_db  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 T, H, HQ, D, SCALE = 32, 2, 4, 64, 0.125
@@ -79,11 +86,17 @@ class Layer:
             plans, table, T, sink_tile=self.scheme.sink_tile, has_sink=self.sink is not None, decode=decode,
             prefilling=prefilling, tail=moves, layout=self.layout, scratch=self.scratch,
         )  # fmt: skip
+        if st.decode_rows is not None:  # prompt segments short enough for the decode kernel, routed to prefill
+            short = [0 < n <= SHORT_SEGMENT for n in st.cu_seqlens.diff().tolist()]
+            self.short_prompt_rows += sum(s and not d for s, d in zip(short, st.decode_rows.tolist(), strict=True))
         out = torch.zeros(qsl[-1], HQ, D, dtype=self.dtype)
-        run_layer(torch.cat(qs), torch.cat(ks), torch.cat(vs), self.pages, self.sink, st, self.scheme, SCALE, out)
+        q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
+        run_layer(q, k, v, self.pages, self.sink, st, self.scheme, SCALE, out, ops=self.ops)
         return [out[a:b] for a, b in zip(qsl, qsl[1:], strict=False)]
 
     done: dict[int, int]
+    short_prompt_rows = 0  # rows the decode kernel would take, sent to the prefill path as prompt rows
+    ops: AttentionOps | None = None  # None: the CPU ops as served (the native store)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme: Scheme) -> torch.Tensor:
@@ -209,3 +222,39 @@ def test_bfloat16_outputs_do_not_depend_on_the_step_composition(scheme: Scheme, 
     assert bool(alone[0].abs().sum(-1).gt(0).all())
     differ = (alone[0] != together[0]).flatten(1).any(1).nonzero().flatten().tolist()
     assert differ == [], f"tokens {differ} of request 0 differ from its run alone"
+
+
+# The CPU ops with the reference codec's store: tiles bit-exact to the codec's, so the outputs meet the
+# tile-causal reference at float32 rounding. The native store is within its own tolerance of the codec
+# (tests/fuzz/test_kernels.py); one key scale one fp16 step apart moves these outputs by 2e-4 (88 dB).
+REFERENCE_STORE = SimpleNamespace(
+    decode_attention=cpu_ops.decode_attention,
+    prefill_attention=cpu_ops.prefill_attention,
+    store_tiles=functools.partial(cpu_ops.store_tiles, impl="reference"),
+)
+# bfloat16 against the float32 reference over the same (bf16) inputs: rounding the output to an 8-bit
+# significand alone costs about 59 dB (relative error uniform within 2**-9); the prefill path attends in
+# bfloat16 besides (53.1-55.1 dB measured here); 45 dB leaves room for vLLM's CPU attention kernel, which
+# rounds in another order, far above a wrong context (a tile's rows dropped or misplaced: < 30 dB).
+BF16_SQNR_DB = 45.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("steps", list(COMPOSITIONS.values()), ids=list(COMPOSITIONS))
+def test_prompt_rows_routed_by_is_prefilling_match_the_reference(steps: list[list[int]], dtype: torch.dtype) -> None:
+    """Told which requests are prefilling (vLLM's ``is_prefilling``), the planner sends short prompt
+    segments to the prefill path rather than the decode kernel; every request's outputs still match
+    the tile-causal reference codec's attention (float32 over the same inputs)."""
+    scheme = Scheme(4, 2, T, sink_tokens=1)
+    layer = Layer(scheme, dtype=dtype, prompts=PROMPTS)
+    layer.ops = REFERENCE_STORE
+    total = [n for n in (sum(s[r] for s in steps if r < len(s)) for r in range(3)) if n]
+    outs, data = _serve(layer, steps, total)
+    assert layer.short_prompt_rows > 0  # the routing this test is about took place
+    for r in range(len(total)):
+        ref = _reference(*(x.float() for x in data[r]), scheme)
+        if dtype == torch.float32:
+            torch.testing.assert_close(outs[r], ref, atol=3e-5, rtol=1e-4)
+        else:
+            got = sqnr_db(ref, outs[r].float())
+            assert got >= BF16_SQNR_DB, (r, got)
