@@ -199,7 +199,7 @@ def test_vllm_offloading_moves_kvarn_pages_whole_and_back(tmp_path: Path) -> Non
     pages = cache[:, :, 0, :]
     g = torch.Generator().manual_seed(0)
     keys, values = (torch.randn(2 * heads, TILE, d, generator=g, dtype=torch.bfloat16) for _ in range(2))
-    write_tiles(pages, [3, 4], quantize_tiles(keys, values, scheme).view(2, heads, tile))
+    write_tiles(pages, [3, 4], quantize_tiles(keys, values, scheme).view(2, heads, tile), tile)
     layout = tail_layout(scheme, d, 1, torch.bfloat16)
     row = [3, 4, 7, 8, 9, 10, 1, 2][: 2 + 1 + layout.blocks]  # tiles 0, 1, 2, then tile 2's lookahead blocks
     rows = torch.randint(0, 256, (40, heads, layout.row_bytes), dtype=torch.uint8, generator=g)
@@ -242,9 +242,9 @@ def test_store_matches_tiles_by_chain_and_tail_rows_by_common_prefix(tmp_path: P
     """A tile matches only with every token before it; a stored tail serves any prefix of its rows."""
     import torch
 
-    from kvarn.vllm.connectors.store import ROOT_KEY, RecordStore, tile_keys
+    from kvarn.vllm.connectors.store import ROOT_KEY, Identity, RecordStore, tile_keys
 
-    store = RecordStore(tmp_path, "ns")
+    store = RecordStore(tmp_path, Identity("m", "0123456789abcdef", DTYPE, "torch.float32", 64))
     tokens = list(range(1000, 1300))  # 2 tiles of 128, 44 rows
     keys = tile_keys(tokens, TILE)
     assert len(keys) == 2

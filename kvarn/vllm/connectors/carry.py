@@ -29,8 +29,13 @@ def read_tiles(pages: torch.Tensor, blocks: list[int], tile_bytes: int) -> torch
     return pages[:, :, :tile_bytes].index_select(0, index)
 
 
-def write_tiles(pages: torch.Tensor, blocks: list[int], records: torch.Tensor) -> None:
-    """``pages[blocks[i], :, :tile_bytes] = records[i]`` (``records`` ``[len(blocks), H, tile_bytes]`` uint8)."""
+def write_tiles(pages: torch.Tensor, blocks: list[int], records: torch.Tensor, tile_bytes: int) -> None:
+    """``pages[blocks[i], :, :tile_bytes] = records[i]`` (``records`` ``[len(blocks), H, tile_bytes]`` uint8).
+
+    Raises:
+        ValueError: ``records`` is not of that shape and dtype (nothing written).
+    """
+    _check("tile records", records, (len(blocks), pages.shape[1], tile_bytes))
     index = torch.tensor(blocks, dtype=torch.long, device=pages.device)
     pages[:, :, : records.shape[2]].index_copy_(0, index, records.to(pages.device))
 
@@ -61,8 +66,13 @@ def read_tail(pages: torch.Tensor, layout: TailLayout, row: list[int], tile: int
 
 
 def write_tail(pages: torch.Tensor, layout: TailLayout, row: list[int], tile: int, rows: torch.Tensor) -> None:
-    """Write ``rows`` ``[n, H, row_bytes]`` uint8 as rows ``0 .. n - 1`` of ``tile``'s tail."""
+    """Write ``rows`` ``[n, H, row_bytes]`` uint8 as rows ``0 .. n - 1`` of ``tile``'s tail.
+
+    Raises:
+        ValueError: ``rows`` is not of that shape and dtype, or ``row`` holds too few blocks (nothing written).
+    """
     rb = layout.row_bytes
+    _check("tail rows", rows, (rows.shape[0], pages.shape[1], rb))
     for i, (b, o) in enumerate(tail_addresses(layout, row, tile, rows.shape[0])):
         pages[b, :, o : o + rb] = rows[i].to(pages.device)
 
@@ -73,6 +83,17 @@ def read_sink(pool: Pool, slot: int) -> torch.Tensor:
 
 
 def write_sink(pool: Pool, slot: int, rows: torch.Tensor) -> None:
-    """Fill slot ``slot`` of a layer's sink pool with ``rows`` ``[2, H, capacity, D]``."""
+    """Fill slot ``slot`` of a layer's sink pool with ``rows`` ``[2, H, capacity, D]``.
+
+    Raises:
+        ValueError: ``rows`` is not of that shape (nothing written).
+    """
+    _check("sink rows", rows, (2, *pool[0].shape[1:]), pool[0].dtype)
     pool[0][slot] = rows[0].to(pool[0].device, pool[0].dtype)
     pool[1][slot] = rows[1].to(pool[1].device, pool[1].dtype)
+
+
+def _check(what: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> None:
+    """Raise ValueError unless ``t`` has ``shape`` and ``dtype`` (a record of another layout or scheme)."""
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise ValueError(f"{what} of shape {list(t.shape)} {t.dtype}, this layer holds {list(shape)} {dtype}")

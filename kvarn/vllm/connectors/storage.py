@@ -16,8 +16,21 @@ Enable it with ``kv_transfer_config={"kv_connector": "KvarnStorageConnector", "k
   (:meth:`~kvarn.vllm.sinks.SinkPool.adopt`) and reads every loaded token as the saving
   engine held it.
 
-Records move byte for byte, so the loading engine reads the saving engine's KV exactly (same model,
-scheme and dtype: the store's namespace). See ``docs/connectors.md``.
+Records move byte for byte, so the loading engine reads the saving engine's KV exactly (same model
+weights, scheme and dtype: the store's namespace, :class:`~kvarn.vllm.connectors.store.Identity`).
+Nothing is loaded that is not exactly that:
+
+* the scheduler side matches only records that pass their checks (header, length, CRC-32:
+  :meth:`~kvarn.vllm.connectors.store.RecordStore.check`); a record that fails is moved aside and
+  logged, and the tokens it held are computed (and saved again);
+* the worker side checks every record again as it reads it, and reads them all before it writes
+  anything; a load that cannot be done exactly (a record gone or damaged since it was matched, no
+  free sink slot for a sequence's first rows) writes nothing it needs and is reported to vLLM as
+  failed blocks (:meth:`KvarnStorageConnector.get_block_ids_with_load_errors`): vLLM computes them
+  under ``kv_load_failure_policy="recompute"`` and fails the request under its default ``"fail"``;
+* a save that fails (disk full, no permission) is logged and the request goes on.
+
+See ``docs/connectors.md``.
 """
 
 from __future__ import annotations
@@ -35,7 +48,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvarn.vllm.connectors import NAME
 from kvarn.vllm.connectors.carry import read_sink, read_tail, read_tiles, write_sink, write_tail, write_tiles
-from kvarn.vllm.connectors.store import ROOT_KEY, RecordStore, namespace, tile_keys, token_hash
+from kvarn.vllm.connectors.fingerprint import model_fingerprint
+from kvarn.vllm.connectors.store import ROOT_KEY, Identity, RecordError, RecordStore, tile_keys, token_hash
 from kvarn.vllm.context import context_of
 from kvarn.vllm.pools import sink_capacity
 from kvarn.vllm.registry import DTYPES
@@ -47,6 +61,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvarn.vllm")
 
 PATH_KEY = "storage_path"  # kv_connector_extra_config key of the store's root folder
+
+
+def transfer_policy(transfer: Any) -> str:
+    """vLLM's ``kv_load_failure_policy`` of ``transfer`` (``"fail"``, vLLM's default, where it has none)."""
+    return str(getattr(transfer, "kv_load_failure_policy", "fail"))
 
 
 @dataclass
@@ -105,15 +124,32 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         scheme = context_of(vllm_config).scheme
         self.group_size = int(cache.block_size)
         self.sink_rows = sink_capacity(scheme)
-        self.store = RecordStore(root, namespace(model.model, scheme.name, model.dtype, model.get_head_size()))
+        self._root = root
+        self._identity = (model.model, getattr(model, "revision", None), scheme.name, str(model.dtype),
+                          model.get_head_size())  # fmt: skip
+        self._store: RecordStore | None = None
+        if transfer_policy(self._kv_transfer_config) != "recompute":
+            logger.info("%s: a record that cannot be loaded exactly fails its request (kv_load_failure_policy="
+                        "'fail'); set kv_load_failure_policy='recompute' to compute its tokens instead", NAME)  # fmt: skip
         # scheduler side
         self._matched: dict[str, tuple[list[int], str]] = {}  # prefix to load, its tail record's key
+        self._loading: dict[str, set[int]] = {}  # requests whose load is under way -> the blocks it writes
+        self._unloadable: set[str] = set()  # requests whose load failed: computed, never matched again
         self._loads: list[Transfer] = []
         self._prompts: dict[str, _Prompt] = {}
         # worker side
         self._layers: dict[str, _Layer] = {}
         self._received: set[str] = set()
         self._failed: set[int] = set()  # blocks of loads that failed since vLLM last asked
+
+    @property
+    def store(self) -> RecordStore:
+        """The record store, its identity fingerprinted on first use (the weights are on disk by then)."""
+        if self._store is None:
+            model, revision, scheme, dtype, head_size = self._identity
+            identity = Identity(model, model_fingerprint(model, revision), scheme, dtype, head_size)
+            self._store = RecordStore(self._root, identity)
+        return self._store
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -123,18 +159,18 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         t, limit = self.group_size, len(tokens) - 1
         keys = tile_keys(tokens[:limit], t)
         n = 0
-        while n < len(keys) and self.store.has("tile", keys[n]):
+        while n < len(keys) and self.store.check("tile", keys[n]):
             n += 1
         prefix = keys[n - 1] if n else ROOT_KEY
         rows, tail = self.store.longest_tail(prefix, tokens[n * t : min(limit, n * t + t - 1)])
         matched = n * t + rows
         sink_key = token_hash(tokens[: self.sink_rows])
-        if self.sink_rows and matched and (matched < self.sink_rows or not self.store.has("sink", sink_key)):
+        if self.sink_rows and matched and (matched < self.sink_rows or not self.store.check("sink", sink_key)):
             return 0, ""  # without its exact first rows the request would not read what was saved
         return matched, tail
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self._kv_transfer_config.is_kv_consumer:
+        if not self._kv_transfer_config.is_kv_consumer or request.request_id in self._unloadable:
             return 0, False
         tokens = list(request.prompt_token_ids or [])
         matched, tail = self.matched_prefix(tokens)
@@ -149,7 +185,19 @@ class KvarnStorageConnector(KVConnectorBase_V1):
             return
         tokens, tail = matched
         start = len(tokens) - num_external_tokens
-        self._loads.append(Transfer(request.request_id, tokens, list(blocks.get_block_ids()[0]), start, tail))
+        transfer = Transfer(request.request_id, tokens, list(blocks.get_block_ids()[0]), start, tail)
+        self._loads.append(transfer)
+        self._loading[request.request_id] = set(transfer.blocks)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """A request whose load the worker side reported failed is not matched again: vLLM computes
+        the tokens (or fails the request) and a second try would fail alike."""
+        invalid = connector_output.invalid_block_ids or set()
+        for req_id, blocks in list(self._loading.items()):
+            if blocks & invalid:
+                self._unloadable.add(req_id)
+        for req_id in connector_output.finished_recving or ():
+            self._loading.pop(req_id, None)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvarnConnectorMetadata(loads=self._loads)
@@ -182,6 +230,8 @@ class KvarnStorageConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._prompts.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
+        self._loading.pop(request.request_id, None)
+        self._unloadable.discard(request.request_id)
         return False, None
 
     # ------------------------------------------------------------------ worker side
@@ -217,15 +267,25 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         for transfer in meta.loads:
             try:
                 self._load(transfer)
-            except (OSError, KeyError, ValueError) as e:  # a record gone or unreadable: vLLM recomputes or fails it
+            except (OSError, KeyError, ValueError) as e:  # vLLM recomputes or fails the blocks (module docstring)
+                if isinstance(e, RecordError):
+                    self.store.reject(e)
                 t = self.group_size
-                logger.warning("%s: loading request %s failed (%s)", NAME, transfer.req_id, e)
+                logger.warning("%s: request %s: its stored KV is not loaded (%s); reported to vLLM as failed blocks",
+                               NAME, transfer.req_id, e)  # fmt: skip
                 self._failed |= set(transfer.blocks[transfer.start // t : -(-len(transfer.tokens) // t)])
             self._received.add(transfer.req_id)
 
     def _load(self, tr: Transfer) -> None:
-        """Write the records of ``tr`` into its blocks and a sink slot; every record is read before
-        anything is written (a missing one raises and leaves the pages as they were)."""
+        """Write the records of ``tr`` into its blocks and a sink slot. Every record is read and checked,
+        and the sink slot taken, before anything is written.
+
+        Raises:
+            FileNotFoundError: a record is gone.
+            RecordError: a record fails its checks.
+            ValueError: a record does not fit this engine's pages, or no sink slot is free for the
+                sequence's first rows (every slot belongs to a running request).
+        """
         t, tokens = self.group_size, tr.tokens
         n, rem = len(tokens) // t, len(tokens) % t
         keys = tile_keys(tokens, t)
@@ -238,19 +298,22 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         # a block allocated for the load may still key a finished sequence's slot: overwritten
         held = not self.sink_rows or sinks is None or (first > 0 and sinks.full_slot(tr.blocks[0]) >= 0)
         sink = None if held else self.store.read("sink", token_hash(tokens[: self.sink_rows]))
+        slot = -1
+        if sink is not None and sinks is not None:
+            slot = sinks.adopt(tr.blocks[0])
+            if slot < 0:
+                raise ValueError(
+                    f"no free sink slot for its first {self.sink_rows} rows (all held by running requests)"
+                )
         for name, layer in self._layers.items():
             if tiles:
-                write_tiles(layer.pages, tr.blocks[first:n], torch.stack([rec[name] for rec in tiles]))
+                write_tiles(
+                    layer.pages, tr.blocks[first:n], torch.stack([rec[name] for rec in tiles]), layer.tile_bytes
+                )
             if tail is not None:
                 write_tail(layer.pages, ctx.layout, tr.blocks, n, tail[name][:rem])
-        if sink is None or sinks is None:
-            return
-        slot = sinks.adopt(tr.blocks[0])
-        if slot < 0:  # as the engine's own sink pool under pressure: logged, tile 0 read quantized
-            logger.warning("%s: no free sink slot for request %s; it reads its tile 0 quantized", NAME, tr.req_id)
-            return
-        for name, layer in self._layers.items():
-            write_sink(layer.impl.sink, slot, sink[name])
+            if slot >= 0 and sink is not None:
+                write_sink(layer.impl.sink, slot, sink[name])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
@@ -266,7 +329,11 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvarnConnectorMetadata)
         for transfer in meta.saves:
-            self._save(transfer)
+            try:
+                self._save(transfer)
+            except OSError as e:  # disk full, no permission: the request is served all the same
+                logger.error("%s: saving the KV of request %s failed (%s); it is served, its records are not stored",
+                             NAME, transfer.req_id, e)  # fmt: skip
 
     def _save(self, tr: Transfer) -> None:
         t, tokens, store = self.group_size, tr.tokens, self.store
@@ -274,14 +341,14 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         keys = tile_keys(tokens, t)
         ctx = self._first().impl.ctx
         for j in range(n):
-            if not store.has("tile", keys[j]):
+            if not store.check("tile", keys[j]):
                 store.write(
                     "tile",
                     keys[j],
                     {k: read_tiles(x.pages, [tr.blocks[j]], x.tile_bytes)[0] for k, x in self._layers.items()},
                 )
         prefix = keys[n - 1] if n else ROOT_KEY
-        if rem and not store.has("tail", store.tail_key(prefix, tokens[n * t :])):
+        if rem and not store.check("tail", store.tail_key(prefix, tokens[n * t :])):
             rows = {k: read_tail(x.pages, ctx.layout, tr.blocks, n, rem) for k, x in self._layers.items()}
             store.write_tail(prefix, tokens[n * t :], rows)
         sinks = getattr(ctx.planner, "sinks", None)
@@ -289,7 +356,7 @@ class KvarnStorageConnector(KVConnectorBase_V1):
             return
         sink_key = token_hash(tokens[: self.sink_rows])
         slot = sinks.full_slot(tr.blocks[0])
-        if slot >= 0 and not store.has("sink", sink_key):
+        if slot >= 0 and not store.check("sink", sink_key):
             store.write("sink", sink_key, {k: read_sink(x.impl.sink, slot) for k, x in self._layers.items()})
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
