@@ -17,6 +17,9 @@ transformers and for vLLM.
 the same weights rounded to bfloat16 and a config that says so: what vLLM serves (it downcasts a
 float32 model to bfloat16 where the CPU supports it), loaded without a warning per float32 weight. The float32 folder is unchanged, so
 transformers users (the accuracy harness loads it in an explicit dtype) get the weights they got.
+
+The serving benchmarks also run ``llama1b-shapes`` (:data:`BENCH_MODELS`, :func:`model_folder`):
+random weights at Llama-3.2-1B's layer shapes, built by :mod:`kvarn.llama1b_shapes`.
 """
 
 from __future__ import annotations
@@ -316,6 +319,26 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None, dtype: str |
         f"model {name_or_path!r} is neither a built-in alias ({', '.join(ALIASES)}) nor a local Hugging Face "
         f"folder with a config.json (looked for {path.resolve() / 'config.json'})"
     )
+
+
+BENCH_MODELS: tuple[str, ...] = ("smollm2-135m", "llama1b-shapes")  # the models the serving benchmarks run
+
+
+def model_folder(model: str, layers: int = 4, dtype: str | None = "bfloat16") -> Path:
+    """The folder vLLM loads for a benchmark's ``model`` (built once): the embedded SmolLM2-135M in
+    ``dtype`` (:func:`resolve_model`; None: its float32 folder), or ``llama1b-shapes`` with ``layers``
+    layers (random weights at Llama-3.2-1B's layer shapes, :mod:`kvarn.llama1b_shapes`, bf16).
+
+    Raises:
+        ValueError: any model not in :data:`BENCH_MODELS`; the message lists them.
+    """
+    if model == "smollm2-135m":
+        return resolve_model(model, dtype=dtype)
+    if model == "llama1b-shapes":
+        from kvarn.llama1b_shapes import build
+
+        return build(layers)
+    raise ValueError(f"model={model!r}; allowed: {', '.join(BENCH_MODELS)}")
 
 
 def load_model(

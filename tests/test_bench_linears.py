@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from tests.fixtures import load_tool
-
-lin = load_tool("bench_linears")
+from kvarn.bench import linears as lin
 
 LLAMA_1B = {  # Llama-3.2-1B's layer shapes, as tools/realistic_model.py writes them (4 layers, SmolLM2's vocab)
     "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 8,

@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.fixtures import load_tool
-
-bench = load_tool("bench_serving")
+from kvarn import llama1b_shapes
+from kvarn.bench import serving as bench
 
 RESULT = {  # the fields of a `vllm bench serve --save-result` JSON that are read, plus some that are not
     "duration": 120.5, "completed": 16, "failed": 0, "total_input_tokens": 16384, "total_output_tokens": 2048,
@@ -139,7 +138,7 @@ def test_from_json_rebuilds_the_section(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_realistic_model_flops_ratio() -> None:
-    model = load_tool("realistic_model")
+    model = llama1b_shapes
     assert model.flops_per_kv_element(model.LLAMA_3_2_1B) == 118784
     assert model.flops_per_kv_element(model.SMOLLM2) == 18432
 

@@ -10,12 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fixtures import load_tool
+from kvarn.bench import profile_engine as prof
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-prof = load_tool("profile_engine")
 
 
 @pytest.mark.parametrize(

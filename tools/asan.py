@@ -1,10 +1,10 @@
 """Run the CPU kernels' fuzz tests against an AddressSanitizer build of the native extension.
 
 The extension's sources (``kvarn/kernels/cpu/*.cpp``) are built by ``torch.utils.cpp_extension`` with
-``-fsanitize=address`` into their own build folder (never the cache the ops load from), and
-``kvarn.kernels.cpu.native.extension`` is pointed at that build for the run. Python itself is not
-built with ASan, so its runtime must be loaded first: this script re-executes itself with
-``LD_PRELOAD`` set to the compiler's ``libasan.so``. Any out-of-bounds read or write stops the run
+``-fsanitize=address`` into their own build folder (never the cache the ops load from;
+:mod:`kvarn.bench.asan`), and ``kvarn.kernels.cpu.native.extension`` is pointed at that build for
+the run. Python itself is not built with ASan, so its runtime must be loaded first: this script
+re-executes itself with ``LD_PRELOAD`` set to the compiler's ``libasan.so``. Any out-of-bounds read or write stops the run
 with ASan's report and a non-zero exit code.
 
 Usage::
@@ -19,43 +19,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from kvarn.bench.asan import ASAN_OPTIONS, build, libasan
+
 ROOT = Path(__file__).resolve().parents[1]
-FLAGS = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address", "-fopenmp"]
-ASAN_OPTIONS = "detect_leaks=0:abort_on_error=0:halt_on_error=1:exitcode=86"  # 86: ASan found an error
-
-
-def libasan() -> str | None:
-    """The compiler's ``libasan.so`` (resolved), or None without g++ or libasan."""
-    gxx = shutil.which("g++") or shutil.which("c++")
-    if gxx is None:
-        return None
-    out = subprocess.run([gxx, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    path = Path(out)
-    return str(path.resolve()) if path.is_absolute() and path.exists() else None
-
-
-def build(build_dir: Path) -> object:
-    """The extension's sources built with ASan into ``build_dir``."""
-    from torch.utils import cpp_extension
-
-    from kvarn.kernels.cpu import native
-
-    here = Path(native.__file__).parent
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name="kvarn_cpu_asan",
-        sources=[str(here / f) for f in native.SOURCES],
-        extra_cflags=FLAGS,
-        extra_ldflags=["-fsanitize=address", "-fopenmp"],
-        build_directory=str(build_dir),
-        verbose=False,
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,5 +53,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))  # the checkout's kvarn and tests, not an installed copy
     raise SystemExit(main())

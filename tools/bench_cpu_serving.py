@@ -26,16 +26,12 @@ from pathlib import Path
 
 import torch
 
-TOOLS = Path(__file__).resolve().parent
-if str(TOOLS) not in sys.path:  # the sibling modules import by name, also when this file is loaded by its path
-    sys.path.insert(0, str(TOOLS))
+from kvarn.bench.cpu_engine import bench_serve, bench_serve_prefill, serve_prefill_table, serve_table
+from kvarn.bench.cpu_ops import bench_ops, bench_prefill, bench_store, ops_table, prefill_table, store_table
+from kvarn.bench.doc_section import commit, machine, measuring_args, utc_stamp, write_section
+from kvarn.models import BENCH_MODELS
 
-from bench_cpu_engine import bench_serve, bench_serve_prefill, serve_prefill_table, serve_table  # noqa: E402
-from bench_cpu_ops import bench_ops, bench_prefill, bench_store, ops_table, prefill_table, store_table  # noqa: E402
-from bench_serving import MODELS, commit, machine  # noqa: E402
-from doc_section import measuring_args, utc_stamp, write_section  # noqa: E402
-
-DOC = TOOLS.parent / "docs" / "cpu_serving.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "cpu_serving.md"
 UNITS = {
     "serve": "",
     "ops": "milliseconds per call of one layer (median), ",
@@ -64,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--no-doc", action="store_true", help="do not touch the markdown file")
         p.add_argument("--section", help="name of the doc section to replace (default: the subcommand)")
     for name in ("serve", "prefill"):
-        sub.choices[name].add_argument("--model", choices=MODELS, default=MODELS[0])
+        sub.choices[name].add_argument("--model", choices=BENCH_MODELS, default=BENCH_MODELS[0])
         sub.choices[name].add_argument(
             "--model-dtype", default="auto", help="vLLM's --dtype of the model (auto: bfloat16 for both models)"
         )

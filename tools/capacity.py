@@ -30,15 +30,12 @@ import argparse
 import json
 import os
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kvarn, installed or not
-
-from kvarn.vllm.engine import cpu_engine, kv_tokens  # noqa: E402
+from kvarn.vllm.engine import cpu_engine, kv_tokens
 
 
 def pools_mib(llm: Any) -> float:
@@ -308,9 +305,7 @@ def _fit_model_folder(model: str, dtype: str, layers: int, tmp: str) -> str:
         from kvarn.models import resolve_model
 
         return str(resolve_model("smollm2-135m", dtype=None if dtype == "float32" else dtype))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from realistic_model import LLAMA_3_2_1B
-
+    from kvarn.llama1b_shapes import LLAMA_3_2_1B
     from kvarn.testing.synthetic import write_config_only
 
     cfg = {**LLAMA_3_2_1B, "num_hidden_layers": layers, "vocab_size": 49152, "torch_dtype": dtype}

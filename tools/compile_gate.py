@@ -8,8 +8,9 @@ Usage::
 
 Prints a table (kernel, variant, registers, spills, stack frame, shared memory, programs per SM) and
 exits 1 when any variant fails to compile, spills registers, has a stack frame (local memory) or
-needs more shared memory than one block may have. The library is ``tools/kernel_gate``. Compiled kernels are cached by Triton
-(``~/.triton/cache``), ptxas results beside them, so a second run takes seconds.
+needs more shared memory than one block may have. The library is :mod:`kvarn.bench.compile_gate`.
+Compiled kernels are cached by Triton (``~/.triton/cache``), ptxas results beside them, so a second
+run takes seconds.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     args = p.parse_args(argv)
 
-    import kernel_gate as gate
+    from kvarn.bench import compile_gate as gate
 
     archs = tuple(args.arch)
     variants = gate.full_variants(archs) if args.full else gate.quick_variants(archs)

@@ -49,9 +49,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kvarn, installed or not
-
-from doc_section import measuring_args, utc_stamp, write_section  # noqa: E402
+from kvarn.bench.doc_section import measuring_args, utc_stamp, write_section
 
 MODEL = "smollm2-135m"
 TILE = 128

@@ -29,14 +29,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "tools") not in sys.path:  # sibling tools import by name, also when this file is loaded by its path
-    sys.path.insert(0, str(ROOT / "tools"))
-
-from doc_section import measuring_args, utc_stamp, write_section  # noqa: E402
+from kvarn.bench.doc_section import measuring_args, utc_stamp, write_section
 
 GEN = 16  # greedy tokens per request
 PREFIX, SUFFIXES = 192, (60, 180)  # 1.5 tiles shared, then distinct tokens; each crosses a tile in decode
@@ -114,7 +111,10 @@ def crowd_prompts(vocab: int) -> list[list[int]]:
     from kvarn.models import resolve_model
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model("smollm2-135m")))
-    ids = [i % vocab for i in tok((ROOT / "kvarn" / "data" / "gpl-3.txt").read_text())["input_ids"]]
+    ids = [
+        i % vocab
+        for i in tok(resources.files("kvarn").joinpath("data", "gpl-3.txt").read_text(encoding="utf-8"))["input_ids"]
+    ]
     prompts = []
     for p in range(3):
         prefix = ids[p * 1000 : p * 1000 + PREFIX]

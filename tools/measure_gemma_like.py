@@ -19,18 +19,15 @@ cache holds), and KL(fp16 || scheme), top-1 and greedy agreement against fp16.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvarn.eval.harness import Evaluator  # noqa: E402
-from kvarn.hf import KVarNCache  # noqa: E402
-from kvarn.testing.builders import build, gemma3_config, save  # noqa: E402
+from kvarn.eval.harness import Evaluator
+from kvarn.hf import KVarNCache
+from kvarn.testing.builders import build, gemma3_config, save
 
 SCHEMES = "fp16,kvarn_k4v2_g128,kvarn_k4v4_g128,kivi2,kivi4,turboquant3,turboquant4"
 

@@ -28,16 +28,13 @@ import math
 import os
 import sys
 import tempfile
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from doc_section import measuring_args, utc_stamp, write_section  # noqa: E402
-
-from kvarn.testing.greedy import agree, first_difference  # noqa: E402
-from kvarn.testing.serve import complete, connector_server  # noqa: E402
+from kvarn.bench.doc_section import measuring_args, utc_stamp, write_section
+from kvarn.testing.greedy import agree, first_difference
+from kvarn.testing.serve import complete, connector_server
 
 DTYPE = "kvarn_k4v2_g128"
 
@@ -50,7 +47,7 @@ def run(lens: list[int], max_tokens: int, dtype: str) -> list[dict[str, Any]]:
     from kvarn.models import resolve_model
 
     model = str(resolve_model("smollm2-135m"))
-    text = (ROOT / "kvarn" / "data" / "gpl-3.txt").read_text()
+    text = resources.files("kvarn").joinpath("data", "gpl-3.txt").read_text(encoding="utf-8")
     ids: list[int] = AutoTokenizer.from_pretrained(model)(text)["input_ids"]
     starts = [sum(lens[:i]) for i in range(len(lens))]
     prompts = [ids[s : s + n] for s, n in zip(starts, lens, strict=True)]

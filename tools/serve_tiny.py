@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
+from importlib import resources
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def build_hybrid(folder: Path, test_model: bool = False) -> Path:
@@ -50,7 +47,7 @@ def serve(
     from kvarn.vllm.engine import cpu_engine, kv_tokens
 
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    ids = list((ROOT / "kvarn" / "data" / "gpl-3.txt").read_bytes()[:400])
+    ids = list(resources.files("kvarn").joinpath("data", "gpl-3.txt").read_bytes()[:400])
     with cpu_engine(
         str(folder),
         kv_cache_dtype,

@@ -20,25 +20,22 @@ import argparse
 import json
 import math
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers.models.llama import modeling_llama
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first
-
-from kvarn.eval.harness import Evaluator  # noqa: E402
-from kvarn.eval.task import progress_bar  # noqa: E402
-from kvarn.hf import FP16, KVarNCache  # noqa: E402
-from kvarn.hf.committers import BaselineCommitter  # noqa: E402
-from kvarn.hf.layers import KVarNLayer  # noqa: E402
-from kvarn.hf.spec import Spec  # noqa: E402
-from kvarn.research.baselines import ERROR_SPLITS, RESEARCH, TILE, ExactSide, KvarnSide, MetricSide, SplitBaseline  # noqa: E402
-from kvarn.research.lowrank import KeyBasis, LowRankKeys, fit_basis  # noqa: E402
-from kvarn.research.metric import LayerMetric, sqrt_metric  # noqa: E402
-from kvarn.research.vq import VQSide  # noqa: E402
+from kvarn.eval.harness import Evaluator
+from kvarn.eval.task import progress_bar
+from kvarn.hf import FP16, KVarNCache
+from kvarn.hf.committers import BaselineCommitter
+from kvarn.hf.layers import KVarNLayer
+from kvarn.hf.spec import Spec
+from kvarn.research.baselines import ERROR_SPLITS, RESEARCH, TILE, ExactSide, KvarnSide, MetricSide, SplitBaseline
+from kvarn.research.lowrank import KeyBasis, LowRankKeys, fit_basis
+from kvarn.research.metric import LayerMetric, sqrt_metric
+from kvarn.research.vq import VQSide
 
 
 class LayerEvaluator(Evaluator):

@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvarn.testing.builders import windowed_copy  # noqa: E402
+from kvarn.testing.builders import windowed_copy
 
 
 def serve(folder: Path, kv_cache_dtype: str, max_model_len: int = 4096, chunk: int | None = None) -> tuple[int, str]:

@@ -2,28 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from kvarn.bench import vllm_tasks
 from kvarn.eval.needle import NeedlePrompt
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "vllm_tasks.py"
 
 
 @pytest.fixture(scope="module")
 def tool() -> Any:
-    spec = importlib.util.spec_from_file_location("vllm_tasks", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["vllm_tasks"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return vllm_tasks
 
 
 class DigitTokenizer:

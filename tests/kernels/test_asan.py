@@ -3,7 +3,6 @@ write anywhere in the native extension fails this test with ASan's report."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,22 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from kvarn.bench.asan import libasan
 from kvarn.models import default_cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "asan.py"
-
-
-def _libasan() -> str | None:
-    spec = importlib.util.spec_from_file_location("kvarn_tools_asan", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    found: str | None = module.libasan()
-    return found
-
-
-LIBASAN = _libasan()
+LIBASAN = libasan()
 
 
 @pytest.mark.slow

@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
+from kvarn.bench import kernels
 from kvarn.kernels.triton import decode_bytes
 from kvarn.schemes import get_scheme
 
 from ._reference import DEVICE
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_kernels.py"
-
-
-def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_kernels", TOOL)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _once(fn: Callable[[], Any]) -> float:
@@ -36,7 +22,7 @@ def _once(fn: Callable[[], Any]) -> float:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_bench_without_gpu_says_so_and_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _tool().main(["--quick"]) == 0
+    assert kernels.main(["--quick"]) == 0
     assert "no CUDA GPU" in capsys.readouterr().out
 
 
@@ -45,8 +31,7 @@ def test_bench_without_gpu_says_so_and_exits_zero(capsys: pytest.CaptureFixture[
     [("kvarn_k4v2_g32", 4, 1), ("kvarn_k4v2_g32_sink0", 4, 0), ("kvarn_k4v2_g32_sink", 3, 32)],
 )
 def test_bench_rows_and_store_line_on_tiny_shapes(name: str, packed: int, sink_rows: int) -> None:
-    tool = _tool()
-    rows = tool.bench_shape(_once, name, 2, 128, 4, 2, 64, copy_gbs=1000.0, dev=str(DEVICE))
+    rows = kernels.bench_shape(_once, name, 2, 128, 4, 2, 64, copy_gbs=1000.0, dev=str(DEVICE))
     kvarn, sdpa = rows[0], rows[1]
     assert kvarn.kernel == "kvarn" and sdpa.kernel.startswith("sdpa-fp16")
     # packed: 2 sequences x 4 tiles (3 beside a sink tile) x 2 heads x 2112-byte records, plus what
@@ -58,5 +43,5 @@ def test_bench_rows_and_store_line_on_tiny_shapes(name: str, packed: int, sink_r
     assert moved.sinks == 2 * sink_rows * 2 * 64 * 2 * 2  # sequences x rows x heads x D x (K, V) x fp16
     assert sdpa.bytes_read == 2 * 2 * 2 * 128 * 64 * 2  # 16-bit keys and values
     assert kvarn.cells(sdpa.us)[-1] == "1.00x"
-    line = tool.bench_store(_once, name, 2, 2, 64, decode_us=1000.0, dev=str(DEVICE))
+    line = kernels.bench_store(_once, name, 2, 2, 64, decode_us=1000.0, dev=str(DEVICE))
     assert line.startswith(f"store {name} batch 2: 1000.0 us for 4 tiles; 100.0% of a decode step")

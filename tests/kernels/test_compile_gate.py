@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tools.kernel_gate import ARCHS, Row, Variant, check_row, parse_ptxas, programs_per_sm, quick_variants
+from kvarn.bench.compile_gate import ARCHS, Row, Variant, check_row, parse_ptxas, programs_per_sm, quick_variants
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "compile_gate.py"
@@ -29,9 +29,7 @@ KNOWN_FAILURES: dict[str, str] = {}
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +105,7 @@ def test_check_row_names_each_problem() -> None:
 BAD_KERNELS = """
 import triton
 import triton.language as tl
-from tools.kernel_gate import compile_call
+from kvarn.bench.compile_gate import compile_call
 
 PLAIN = 2.0  # a plain Python float global: the compiler refuses it inside @triton.jit
 

@@ -7,13 +7,14 @@ queries; half-precision inputs are rounded the same way for the oracle).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from kvarn.bench import cpu_engine, cpu_ops
+from kvarn.bench.doc_section import write_section
 from kvarn.codec.tiles import layout
 from kvarn.kernels import KernelArgumentError, PagedContext
 from kvarn.kernels.cpu import native
@@ -23,7 +24,6 @@ from kvarn.schemes import Scheme
 from ._reference import PagedBatch, assert_store_refusals, attention, paged_batch, sqnr_db
 
 MIN_SQNR_DB = 60.0
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_cpu_serving.py"
 HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
 # every decode case runs through both paths: the native kernel (where it builds) and the torch path
 IMPLS = ["torch", "native"] if HAS_COMPILER else ["torch"]
@@ -375,11 +375,7 @@ def test_arguments_are_checked_with_names() -> None:
 
 
 def test_bench_tool_measures_every_method_and_replaces_its_doc_section(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("bench_cpu_serving", TOOL)
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    rows = tool.bench_ops([1], [300], repeats=1, vllm_baseline=False, triad_bytes=4 << 20)
+    rows = cpu_ops.bench_ops([1], [300], repeats=1, vllm_baseline=False, triad_bytes=4 << 20)
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 300)]
     methods = {"kvarn native", "kvarn torch", "dequantize + SDPA"} | {f"SDPA {t} KV" for t in ("bf16", "fp16", "fp32")}
     assert set(rows[0]["ms"]) == methods
@@ -390,32 +386,32 @@ def test_bench_tool_measures_every_method_and_replaces_its_doc_section(tmp_path:
     assert row["kvarn_gbs"] == pytest.approx(row["kvarn_bytes"] / row["ms"]["kvarn native"] / 1e6)
     assert row["triad_gbs"] > 0 and row["triad_share"] == pytest.approx(row["kvarn_gbs"] / row["triad_gbs"])
     assert row["vllm_vs_kvarn"] is None  # no vLLM baseline measured
-    head, _, line = tool.ops_table(rows).splitlines()
+    head, _, line = cpu_ops.ops_table(rows).splitlines()
     assert head.endswith("| kvarn GB/s | % of triad (" + f"{row['triad_gbs']:.1f} GB/s) | CPU_ATTN / kvarn |")
     assert line.endswith(f"| {row['kvarn_gbs']:.2f} | {100 * row['triad_share']:.0f}% | - |")
     with_vllm = [
         {**row, "ms": {**row["ms"], "vLLM CPU_ATTN bf16 KV": 2 * row["ms"]["kvarn native"]}, "vllm_vs_kvarn": 2.0}
     ]
-    assert tool.ops_table(with_vllm).splitlines()[2].endswith("| 2.00x |")
-    pre = tool.bench_prefill([0, 256], chunk=256, repeats=1, vllm_baseline=False)
+    assert cpu_ops.ops_table(with_vllm).splitlines()[2].endswith("| 2.00x |")
+    pre = cpu_ops.bench_prefill([0, 256], chunk=256, repeats=1, vllm_baseline=False)
     assert [(r["context"], r["chunk"]) for r in pre] == [(0, 256), (256, 256)]
     assert set(pre[0]["ms"]) == {"kvarn attention, flash", "kvarn store"} and all(v > 0 for v in pre[1]["ms"].values())
-    assert tool.prefill_table(pre).splitlines()[2].startswith("| 0 | 256 |")
+    assert cpu_ops.prefill_table(pre).splitlines()[2].startswith("| 0 | 256 |")
     ttft = {"kv_cache_dtype": "auto", "batch": 4, "context": 2048, "miss_s": 2.0, "miss_cpu_s": 3.0}
     ttft |= {"hit_s": 0.5, "hit_cpu_s": 0.25} | {
         f"{k}_vs_default": 1.0 for k in ("miss_s", "miss_cpu_s", "hit_s", "hit_cpu_s")
     }
-    assert tool.serve_prefill_table([ttft]).splitlines()[2] == (
+    assert cpu_engine.serve_prefill_table([ttft]).splitlines()[2] == (
         "| `auto` | 4 | 2048 | 2.00 | 1.00x | 3.00 | 1.00x | 0.50 | 1.00x | 0.25 | 1.00x |"
     )
-    store = tool.bench_store((("kvarn_k4v2_g32", 64),), tiles=2, heads=1, repeats=1)
+    store = cpu_ops.bench_store((("kvarn_k4v2_g32", 64),), tiles=2, heads=1, repeats=1)
     assert [(r["scheme"], r["head_dim"]) for r in store] == [("kvarn_k4v2_g32", 64)]
     assert store[0]["native_ms"] > 0 and store[0]["reference_ms"] > 0 and 0.5 <= store[0]["identical"] <= 1
-    assert "| `kvarn_k4v2_g32` | 64 |" in tool.store_table(store)
+    assert "| `kvarn_k4v2_g32` | 64 |" in cpu_ops.store_table(store)
     doc = tmp_path / "cpu_serving.md"
     doc.write_text("# title\n\nkept\n")
-    tool.write_section(doc, "ops", tool.ops_table(rows))
-    tool.write_section(doc, "ops", "second")
+    write_section(doc, "ops", cpu_ops.ops_table(rows))
+    write_section(doc, "ops", "second")
     text = doc.read_text()
     assert "kept" in text and "second" in text and "kvarn native" not in text
 

@@ -1,5 +1,5 @@
-"""What the benchmark tools share: the section of a ``docs/`` page a run replaces, and the command
-and date it records.
+"""What the benchmark tools share: the section of a ``docs/`` page a run replaces, and the command,
+date, commit and machine it records.
 
 A benchmark prints its table and replaces its section of a page (the text between
 ``<!-- name -->`` and ``<!-- /name -->``), stamped with the UTC time and the command that measured
@@ -9,9 +9,13 @@ it, less the options that only say where the output goes.
 from __future__ import annotations
 
 import datetime
+import os
 import re
+import subprocess
 from collections.abc import Collection, Sequence
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout whose docs/ the benchmarks write (an editable install)
 
 
 def write_section(doc: Path, name: str, body: str, title: str = "# Benchmarks") -> None:
@@ -47,3 +51,28 @@ def measuring_args(argv: Sequence[str], valued: Collection[str], flags: Collecti
 def utc_stamp() -> str:
     """The time now, as the sections print it: ``2026-12-04 23:29 UTC``."""
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def machine() -> str:
+    """CPU model, its vector extensions that matter here, and the cores this process may use."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+    flags = re.search(r"^flags\s*:\s*(.+)$", info, re.M)
+    have = set(flags.group(1).split()) if flags else set()
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    simd = ", ".join(f for f in wanted if f in have) or "none of " + ", ".join(wanted)
+    return f"{name.group(1).strip() if name else 'unknown CPU'}, {cores} cores, {simd}"
+
+
+def commit() -> str:
+    """``git rev-parse --short HEAD``, naming the folders of ``kvarn/`` with uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvarn"], cwd=ROOT, capture_output=True,
+                               text=True).stdout.splitlines()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    folders = sorted({"/".join(line[3:].split("/")[:2]) for line in dirty})
+    return head + (f" (with uncommitted changes in {', '.join(folders)})" if folders else "")

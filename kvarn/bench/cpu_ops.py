@@ -212,8 +212,8 @@ def bench_ops(
                 ("SDPA fp16 KV", torch.float16),
                 ("SDPA fp32 KV", torch.float32),
             ):
-                kv = [torch.randn(bsz, h, ctx, d, generator=g).to(dt) for _ in range(2)]
-                sdpa = functools.partial(F.scaled_dot_product_attention, q.to(dt)[:, :, None], *kv, enable_gqa=True)
+                k, v = (torch.randn(bsz, h, ctx, d, generator=g).to(dt) for _ in range(2))
+                sdpa = functools.partial(F.scaled_dot_product_attention, q.to(dt)[:, :, None], k, v, enable_gqa=True)
                 res[name] = _median_ms(sdpa, repeats)
             read = decode_bytes_read(sc, bsz, nt, h, d, tail)
             gbs = read / res["kvarn native"] / 1e6

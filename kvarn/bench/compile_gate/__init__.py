@@ -16,7 +16,7 @@ A variant fails on a compile error, on shared memory above one block's limit (:d
 any register spill or stack frame, and on still compiling after a timeout (:func:`compile_variants` compiles each
 variant in its own forked process group and kills it, ptxas included). The kernels must be
 compiled, not interpreted: run the gate in a process without ``TRITON_INTERPRET=1``
-(``tools/compile_gate.py`` does). The variants are in :mod:`tools.kernel_gate.variants`.
+(``tools/compile_gate.py`` does). The variants are in :mod:`kvarn.bench.compile_gate.variants`.
 
 Another Triton version is checked by running the CLI with that Triton's interpreter, in a
 throwaway environment outside the repository:

@@ -1,4 +1,4 @@
-"""The kernel variants the compile gate (:mod:`tools.kernel_gate`) builds, and how it launches each.
+"""The kernel variants the compile gate (:mod:`kvarn.bench.compile_gate`) builds, and how it launches each.
 
 A variant is one call of a real launcher in :mod:`kvarn.kernels.triton.ops` with small CPU tensors shaped
 like a serving step (8 KV heads, 2 sequences of 3 packed tiles and a partial tail, plus the exact
