@@ -22,7 +22,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from kvarn.codec import dequantize_tiles, quantize_tiles
+from kvarn.codec import decode_records, dequantize_tiles, quantize_tiles
 from kvarn.kernels import KernelArgumentError, PagedContext
 from kvarn.kernels.cpu import native
 from kvarn.kernels.cpu import ops as cpu
@@ -33,6 +33,15 @@ from tests.kernels._reference import attention, sqnr_db
 
 HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
 needs_native = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: no native kernels")
+
+
+def assert_native_built() -> None:
+    """Where a C++ compiler is present the extension must build: a failed build would leave the
+    ``auto`` paths fuzzing the torch fallback under the native tests' names."""
+    if HAS_COMPILER:
+        assert native.extension() is not None, "a C++ compiler is present but the native CPU kernels did not build"
+
+
 SCHEMES = (
     "kvarn_k4v2_g32_sink0",
     "kvarn_k4v2_g32",
@@ -207,7 +216,8 @@ def _check_decode(case: DecodeCase, impl: str) -> None:
 @needs_native
 @given(decode_cases())
 def test_native_decode(case: DecodeCase) -> None:
-    _check_decode(case, "auto")  # native where it takes the tensors (tail dtype = query dtype: always)
+    assert_native_built()
+    _check_decode(case, "native")  # the cases' tails and sinks take the query's dtype: the kernel takes them
 
 
 @given(decode_cases())
@@ -218,7 +228,8 @@ def test_torch_path_decode(case: DecodeCase) -> None:
 @st.composite
 def store_cases(draw: st.DrawFn) -> tuple[Scheme, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str | None]:
     """``(scheme, keys, values, cache, block_ids, broken)``: keys/values ``[N, H, T, D]`` (maybe strided
-    views, magnitudes over 12 decades within the dtype's range, constant or zero tiles, maybe NaN/Inf)."""
+    views, magnitudes over 12 decades within the dtype's range, one per tile or one per token, constant
+    or zero tiles, maybe NaN/Inf)."""
     sc = dataclasses.replace(Scheme.from_name(draw(st.sampled_from(SCHEMES))), sink_tile=False, sink_tokens=0)
     t = sc.group_size
     d = draw(st.sampled_from((64, 128)))
@@ -226,9 +237,14 @@ def store_cases(draw: st.DrawFn) -> tuple[Scheme, torch.Tensor, torch.Tensor, to
     dtype = draw(st.sampled_from(DTYPES))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     top = 3.0 if dtype == torch.float16 else 8.0  # fp16 holds up to 65504
-    mag = 10 ** (torch.rand(n, h, 1, 1, generator=g) * (top + 6) - 6)
-    k = torch.randn(n, h, t, d + 5, generator=g) * mag
-    v = torch.randn(n, h, t, d + 5, generator=g) * 10 ** (torch.rand(n, h, t, 1, generator=g) * (top + 6) - 6)
+
+    def magnitudes() -> torch.Tensor:
+        """One magnitude per tile (a tile of ordinary spread) or per token (a spread over decades)."""
+        rows = draw(st.sampled_from((1, t)))
+        return 10 ** (torch.rand(n, h, rows, 1, generator=g) * (top + 6) - 6)
+
+    k = torch.randn(n, h, t, d + 5, generator=g) * magnitudes()
+    v = torch.randn(n, h, t, d + 5, generator=g) * magnitudes()
     if n and draw(st.booleans()):
         k[0, 0], v[-1, -1] = 0.0, float(draw(st.sampled_from((0.0, 0.5, -3.0))))
     keys, values = k.to(dtype)[..., :d], v.to(dtype)[..., :d]  # strided views, head_dim contiguous
@@ -259,6 +275,7 @@ def store_cases(draw: st.DrawFn) -> tuple[Scheme, torch.Tensor, torch.Tensor, to
 @needs_native
 @given(store_cases(), st.booleans())
 def test_native_store(case: tuple[Any, ...], check_finite: bool) -> None:
+    assert_native_built()
     sc, keys, values, cache, ids, broken = case
     if broken == "NaN" and not check_finite:  # served: no crash; the other tiles are stored as usual
         keep = torch.isfinite(keys).flatten(1).all(1) & torch.isfinite(values).flatten(1).all(1)
@@ -278,23 +295,57 @@ def test_native_store(case: tuple[Any, ...], check_finite: bool) -> None:
     assert torch.equal(cache[untouched], before[untouched])
 
 
-def _assert_records_close(sc: Scheme, keys: torch.Tensor, values: torch.Tensor, recs: torch.Tensor) -> None:
-    """Every tile side's squared reconstruction error within 2% of the reference codec's.
+# A tile side whose token magnitudes (row norms, zero rows aside) span more than this many decades
+# has its reconstruction error on a few dominant tokens: the store's wider bound applies to it.
+WIDE_DECADES = 2.0
 
-    The store documents 0.2% (:mod:`kvarn.kernels.cpu.store`); tiles whose token magnitudes span
-    many decades exceed that now and then (11 of 8,265 cases of the full run, at most 1.44%: a finding
-    for the store, docs/reliability.md), which this property bounds rather than hides."""
+
+def _token_decades(x: torch.Tensor) -> torch.Tensor:
+    """``log10(max / min)`` of the nonzero row norms of each tile ``[N, T, D]`` -> ``[N]`` (0 for a zero tile)."""
+    norms = x.double().square().sum(2).sqrt()  # [N, T]
+    low = torch.where(norms > 0, norms, torch.inf).amin(1)
+    return torch.where(low.isfinite(), (norms.amax(1) / low).log10(), torch.zeros_like(low))
+
+
+def _assert_records_close(sc: Scheme, keys: torch.Tensor, values: torch.Tensor, recs: torch.Tensor) -> None:
+    """Every tile side's squared reconstruction error within the store's stated tolerance of the
+    reference codec's (:mod:`kvarn.kernels.cpu.store`): 0.2% on a tile of ordinary spread, 2% where
+    its token magnitudes span more than :data:`WIDE_DECADES` decades.
+
+    Why 2% there: the reference's error of such a side sits on its dominant tokens. Its effective
+    number of elements, ``(sum e)^2 / sum e^2`` over the elements' squared errors ``e``, has a median
+    of 90 (6-330) where an ordinary side's has 1,300 (590-2,750; 43,200 sides of the six schemes at
+    head_dim 64 and 128), so one rounding difference on a dominant token (a code, or its scale or
+    zero point one fp16 step or log8 code apart) weighs an order of magnitude more than on an
+    ordinary tile: the ordinary 0.2% scaled by ten. The worst of the full runs was +1.44%
+    (``docs/reliability.md``).
+
+    With log8 storage a Sinkhorn factor that falls on a rounding boundary within float32 rounding
+    rounds the other way in the store's order of operations; the factor is then a whole code (9%)
+    apart, that iterate and the ones after it differ from the reference's, and the store keeps
+    another iterate (+0.63% on a tile of ordinary spread, ``kvarn_k8v8_g32_s8_sink``). Its pick is
+    still the best of its iterates, whose iterate 0 (no normalization, nothing to round apart) is
+    the reference's: where a side's log8 factors differ from the reference's, its error is bounded
+    by the same tolerance of the reference's error without normalization (``norm_iters=0``)."""
     if not keys.shape[0]:
         return
     n, h, t, d = keys.shape
     nb = sc.tile_bytes(d)
-    ref = quantize_tiles(keys.reshape(n * h, t, d), values.reshape(n * h, t, d), sc)
+    x = (keys.reshape(n * h, t, d), values.reshape(n * h, t, d))
+    ref = quantize_tiles(*x, sc)
     mine, theirs = dequantize_tiles(recs.reshape(n * h, nb), sc, d), dequantize_tiles(ref, sc, d)
-    for side, exact in enumerate((keys.reshape(n * h, t, d).float(), values.reshape(n * h, t, d).float())):
-        err = (mine[side].double() - exact.double()).square().sum((1, 2))
-        bound = (theirs[side].double() - exact.double()).square().sum((1, 2)) * 1.02
-        bound = bound + 1e-9 * exact.double().square().sum((1, 2)) + 1e-30
-        assert bool((err <= bound).all()), (side, float((err / bound).max()))
+    plain = dequantize_tiles(quantize_tiles(*x, dataclasses.replace(sc, norm_iters=0)), sc, d)
+    a, b = decode_records(recs.reshape(n * h, nb), sc, d), decode_records(ref, sc, d)
+    for side, name in enumerate(("key", "value")):
+        exact = x[side].double()
+        err, ref_err, plain_err = ((y[side].double() - exact).square().sum((1, 2)) for y in (mine, theirs, plain))
+        rel = torch.where(_token_decades(exact) > WIDE_DECADES, 0.02, 0.002).double()
+        if sc.scale_dtype == "log8":
+            tied = (getattr(a, f"{name}_factor") != getattr(b, f"{name}_factor")).any(1)
+            ref_err = torch.where(tied, torch.maximum(ref_err, plain_err), ref_err)
+        # float32 dequantization rounds each element by ~1e-7 of its value: 1e-9 of the energy covers it
+        bound = ref_err * (1 + rel) + 1e-9 * exact.square().sum((1, 2)) + 1e-30
+        assert bool((err <= bound).all()), (name, float((err / bound).max()), float((err / ref_err).max() - 1))
 
 
 @st.composite
@@ -330,7 +381,9 @@ def test_dequantize_blocks(case: tuple[Any, ...], built: bool) -> None:
     sc, cache, blocks, d, dtype, broken = case
     run = functools.partial(dequantize_blocks, cache, blocks, sc, d, dtype)
     with pytest.MonkeyPatch.context() as mp:
-        if not built:
+        if built:
+            assert_native_built()
+        else:
             mp.setattr(native, "extension", lambda: None)
         if broken is not None:
             with pytest.raises(KernelArgumentError, match=broken.split()[0]):
@@ -377,6 +430,7 @@ def prefill_cases(
 @given(prefill_cases())
 def test_prefill(drawn: tuple[Any, ...]) -> None:
     """``prefill_attention``: causal attention of the new tokens after each sequence's context."""
+    assert_native_built()  # short segments are decoded by the native kernel
     case, q, k, v, cu, broken = drawn
     if broken is not None:
         with pytest.raises(KernelArgumentError, match=broken.split()[0]):
