@@ -128,7 +128,8 @@ def run(
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     rows = []
     for dtype in dtypes:
-        cmd = [sys.executable, "-m", __name__, "--child", dtype, "--batch", str(batch), "--context", str(context)]
+        cmd = [sys.executable, "-m", "kvarn.bench.profile_engine", "--child", dtype]
+        cmd += ["--batch", str(batch), "--context", str(context)]
         cmd += ["--new-tokens", str(new_tokens), "--model", model, "--model-dtype", model_dtype]
         cmd += ["--dump", str(dump)] if dump is not None else []
         done = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True)
