@@ -4,10 +4,11 @@ not depend on what else runs in its batch, up to the first near-tie.
 Six prompts of 150-400 tokens (each reads packed tiles once it decodes), 32 greedy tokens, in one
 8-way batch that holds two of them twice, and each alone. kvarn's decode splits a sequence's tiles
 the same way in any batch and verifies short segments with the decode kernel (docs/cpu_serving.md).
-The model runs in :data:`~tests.vllm.engines.ENGINE_DTYPE`. Its own matmuls are not batch-invariant
-on every CPU, so exact answers may part at a near-tie (docs/testing.md). Every pair must agree by
-test_scheduling's rule instead (identical, or first differing where both runs rank the two tokens
-within a near-tie, logprobs within MAX_DRIFT before).
+The model runs in :data:`~tests.vllm.engines.ENGINE_DTYPE`. Every pair must agree by
+test_scheduling's rule (identical, or first differing where both runs rank the two tokens within a
+near-tie, logprobs within MAX_DRIFT before): in bfloat16 the model's own matmuls, not batch-invariant
+on every CPU, part exact answers at near-ties (docs/testing.md). In float32 the answers are exact:
+identical tokens, logprobs within :data:`FLOAT32_DRIFT`.
 """
 
 from __future__ import annotations
@@ -19,12 +20,18 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvarn.testing.greedy import TOP, Greedy, agree, greedy  # noqa: E402
+from kvarn.testing.greedy import TOP, Greedy, agree, first_difference, greedy  # noqa: E402
 from tests.vllm.engines import ENGINE_DTYPE  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 GEN = 32
+# float32's counterpart of MAX_DRIFT: a logit of 10-30 moves in float32 steps of 1e-6 to 2e-6 (bfloat16:
+# 0.06-0.125); alone vs batched the model's matmuls and attention run on other shapes and round in
+# another order: at most 2.6e-5 nats over the 32 tokens (2-core AVX-512 + AMX Xeon; duplicates in one
+# batch 0.0); 1e-3 leaves 40x that for other CPUs' kernels and is far below what a wrong tile, slot or
+# sink read moves a logprob (nats, docs/testing.md).
+FLOAT32_DRIFT = 1e-3
 LENGTHS = (150, 210, 260, 300, 350, 400)
 BATCH = (0, 1, 2, 3, 4, 5, 0, 3)  # prompts 0 and 3 twice
 
@@ -71,7 +78,17 @@ def _differences(kv_cache_dtype: str) -> dict[str, Any]:
         "duplicates": [agree(batched[j], first[BATCH[j]]) for j in twice],
         "alone": [agree(first[i], alone[i]) for i in range(len(prompts))],
         "exact_alone": sum(first[i].tokens != alone[i].tokens for i in range(len(prompts))),
+        "exact_duplicates": sum(batched[j].tokens != first[BATCH[j]].tokens for j in twice),
+        "drift_alone": max(_drift(first[i], alone[i]) for i in range(len(prompts))),
+        "drift_duplicates": max(_drift(batched[j], first[BATCH[j]]) for j in twice),
     }
+
+
+def _drift(a: Greedy, b: Greedy) -> float:
+    """The largest difference of the chosen tokens' logprobs before ``a`` and ``b`` first differ."""
+    end = first_difference(a, b)
+    n = len(a.tokens) if end is None else end
+    return max((abs(a.top[i][a.tokens[i]] - b.top[i][b.tokens[i]]) for i in range(n)), default=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +106,11 @@ def test_duplicates_in_one_batch_agree_up_to_a_near_tie(counts: dict[str, Any], 
 @pytest.mark.parametrize("cache", ["default", "kvarn"])
 def test_alone_vs_batched_agree_up_to_a_near_tie(counts: dict[str, Any], cache: str) -> None:
     assert counts[cache]["alone"] == [None] * len(LENGTHS), counts[cache]
+
+
+@pytest.mark.skipif(ENGINE_DTYPE != "float32", reason="exact answers are the float32 engine's claim")
+@pytest.mark.parametrize("cache", ["default", "kvarn"])
+def test_float32_answers_are_exact_alone_and_batched(counts: dict[str, Any], cache: str) -> None:
+    c = counts[cache]
+    assert c["exact_alone"] == 0 and c["exact_duplicates"] == 0, c
+    assert max(c["drift_alone"], c["drift_duplicates"]) <= FLOAT32_DRIFT, c
