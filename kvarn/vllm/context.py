@@ -21,6 +21,7 @@ from kvarn.codec.latent import latent_tile_bytes
 from kvarn.kernels.api import AttentionOps
 from kvarn.kernels.dispatch import ops_for
 from kvarn.schemes import Scheme
+from kvarn.vllm.lost_sinks import LostSinks, channel_path
 from kvarn.vllm.pools import PoolTotals, sink_capacity
 from kvarn.vllm.registry import DTYPES, SETTINGS, PluginSettings
 from kvarn.vllm.staging import LiveBlocks
@@ -111,6 +112,7 @@ class EngineContext:
             latent=latent,
             max_rollback=int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0,
             ops=ops,
+            live=LiveBlocks(uncache=LostSinks(path).mark if (path := channel_path(vllm_config)) else None),
         )
 
     def layer_scheme(self, layer: int) -> Scheme | None:

@@ -43,6 +43,7 @@ from kvarn.codec.latent import dequantize_latent, quantize_latent, rope_dtype
 from kvarn.vllm.backend import PackedTileBackend
 from kvarn.vllm.context import EngineContext, context_of, current_context
 from kvarn.vllm.forward import gather_full_tiles, write_rows
+from kvarn.vllm.lost_sinks import channel_path
 from kvarn.vllm.planner import Planner, shared_planner
 from kvarn.vllm.step import StepTensors, Writes
 from kvarn.vllm.tail import read_rows, with_tail, write_page_rows
@@ -241,7 +242,8 @@ class KvarnMLABackend(PackedTileBackend, CPUMLABackend):
         """The packed spec (:meth:`PackedTileBackend.customize_spec`) as a
         :class:`kvarn.vllm.tail.TailMLASpec`: each request holds its tail's lookahead blocks."""
         packed = super().customize_spec(spec)
-        return with_tail(packed, current_context().layout.blocks)  # type: ignore[no-any-return]
+        ctx = current_context()
+        return with_tail(packed, ctx.layout.blocks, channel_path(ctx.vllm_config))  # type: ignore[no-any-return]
 
     @classmethod
     def record_bytes(cls, ctx: EngineContext, spec: AttentionSpec) -> int:

@@ -264,6 +264,7 @@ def patch_attention_kv_cache_spec(attention: Any) -> None:
         from vllm.v1.kv_cache_interface import AttentionSpec
 
         from kvarn.vllm.backend import KvarnAttentionImpl, shared_page
+        from kvarn.vllm.lost_sinks import channel_path
         from kvarn.vllm.tail import with_tail
 
         shared = shared_page(vllm_config)
@@ -275,7 +276,7 @@ def patch_attention_kv_cache_spec(attention: Any) -> None:
             if shared is not None and shared > spec.page_size_bytes:
                 spec = dataclasses.replace(spec, page_size_padded=shared)
         layout = context_of(vllm_config).layout if vllm_config.model_config is not None else None
-        return spec if layout is None else with_tail(spec, layout.blocks)
+        return spec if layout is None else with_tail(spec, layout.blocks, channel_path(vllm_config))
 
     attention.get_kv_cache_spec = get_kv_cache_spec
 

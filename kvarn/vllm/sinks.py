@@ -21,8 +21,12 @@ Prefix caching: block hashes cover a block's tokens and its prefix, so a hit on 
 first block means ``X`` was filled as the first block of a sequence with the same first tokens,
 and that fill wrote the slot keyed ``X``: the request reads it while it survives. Slots of finished
 requests stay until a slot is needed (KVarN retires a finished request's sink rather than dropping
-it). If it was reclaimed, the request reads its tile 0 quantized (:attr:`SinkPool.missing` counts
-such reads; the backend logs a warning the first time).
+it). A slot is reclaimed only from a sequence no running request holds, and its first block then
+leaves vLLM's prefix cache (:attr:`~kvarn.vllm.staging.LiveBlocks.uncache`): a later request with the
+same first tokens computes them again rather than reading tile 0 without its exact rows. Where that
+hook is not set (the scheduler in another process than the workers: tensor or pipeline
+parallelism), such a request reads its tile 0 quantized (:attr:`SinkPool.missing` counts such reads;
+the backend logs a warning the first time).
 
 Bound and reclaim: ``max_num_seqs`` slots, allocated at start-up. A new sequence takes a free slot,
 else the least recently used slot whose key is no live request's first block
@@ -73,6 +77,8 @@ class SinkPool:
         victim = min(dead or idle, key=lambda b: self.last_step.get(self.slot_of_block[b], -1))
         slot = self.slot_of_block.pop(victim)
         self.fill.pop(slot, None)
+        if self.live.uncache is not None:
+            self.live.uncache(victim)
         return slot
 
     def full_slot(self, first_block: int) -> int:

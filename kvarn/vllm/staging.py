@@ -11,6 +11,7 @@ device tensors every layer uses. Pure bookkeeping (no tensors).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -21,9 +22,13 @@ class LiveBlocks:
 
     ``first``: each live request's first block (the keys of :class:`kvarn.vllm.sinks.SinkPool`). None
     until published: every block then counts as possibly live.
+    ``uncache``: drops a first block (a sink key) from vLLM's prefix cache, so that no later request
+    reads it as a prefix hit; set by the engine's KV-cache manager where it runs in the workers'
+    process (:class:`kvarn.vllm.tail.TailManager`), None elsewhere.
     """
 
     first: set[int] | None = None
+    uncache: Callable[[int], None] | None = None
 
 
 @dataclass

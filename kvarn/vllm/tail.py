@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -44,6 +45,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from kvarn.schemes import Scheme
+from kvarn.vllm.lost_sinks import LostSinks
 from kvarn.vllm.staging import RequestPlan
 
 logger = logging.getLogger("kvarn.vllm")
@@ -113,9 +115,12 @@ def page_layout(
 
 
 class _Tail:
-    """What a tail spec adds to its vLLM spec: ``tail_blocks`` in the block table and in merges."""
+    """What a tail spec adds to its vLLM spec: ``tail_blocks`` in the block table and in merges, and
+    ``lost_sinks``: the engine's flag file of reclaimed sink rows (:mod:`kvarn.vllm.lost_sinks`; ``""``
+    for none), which the scheduler's :class:`TailManager` creates and reads."""
 
     tail_blocks: int
+    lost_sinks: str
 
     def max_num_blocks_per_req(self, vllm_config: Any, max_len: int) -> int:
         return int(super().max_num_blocks_per_req(vllm_config, max_len)) + self.tail_blocks  # type: ignore[misc]
@@ -123,7 +128,7 @@ class _Tail:
     @classmethod
     def merge(cls, specs: list[Any]) -> Any:
         merged = super().merge(specs)  # type: ignore[misc]
-        return replace(merged, tail_blocks=max(s.tail_blocks for s in specs))
+        return replace(merged, tail_blocks=max(s.tail_blocks for s in specs), lost_sinks=specs[0].lost_sinks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +144,7 @@ class TailSpec(_Tail, FullAttentionSpec):
     """
 
     tail_blocks: int = 0
+    lost_sinks: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,24 +152,59 @@ class TailMLASpec(_Tail, MLAAttentionSpec):
     """:class:`TailSpec` for an MLA model's latent layers (vLLM's ``MLAAttentionSpec``)."""
 
     tail_blocks: int = 0
+    lost_sinks: str = ""
 
 
-def with_tail(spec: Any, blocks: int) -> Any:
+def _tile(spec: Any) -> int:
+    """Tokens per kernel block of ``spec``: ``tokens_per_state`` of a packed spec whose vLLM blocks hold
+    several tiles (a hybrid model), else the block."""
+    return int(spec.tokens_per_state) if getattr(spec, "tokens_per_state", 1) > 1 else int(spec.block_size)
+
+
+def with_tail(spec: Any, blocks: int, lost_sinks: str = "") -> Any:
     """``spec`` (a plain :class:`FullAttentionSpec` or ``MLAAttentionSpec``) as a tail spec whose requests
     hold ``blocks`` one-tile kernel blocks beyond their tiles: ``ceil(blocks x tile / block_size)`` of
     vLLM's blocks (a hybrid model's blocks hold several tiles; the tile is ``tokens_per_state`` of a
-    packed spec, else the block)."""
+    packed spec, else the block). ``lost_sinks``: the engine's flag file of reclaimed sink rows."""
     kind = {FullAttentionSpec: TailSpec, MLAAttentionSpec: TailMLASpec}.get(type(spec))
     if kind is None:
         return spec
-    tile = spec.tokens_per_state if spec.tokens_per_state > 1 else spec.block_size
     kwargs = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
-    return kind(**kwargs, tail_blocks=-(-blocks * tile // spec.block_size))
+    return kind(**kwargs, tail_blocks=-(-blocks * _tile(spec) // spec.block_size), lost_sinks=lost_sinks)
+
+
+# a scheduler's block pool -> its flag file of reclaimed sink rows and kernel blocks per block
+_LOST: weakref.WeakKeyDictionary[Any, tuple[LostSinks, int]] = weakref.WeakKeyDictionary()
 
 
 class TailManager(FullAttentionManager):
     """vLLM's full-attention manager, allocating ``tail_blocks`` more blocks for every request that
-    holds tokens (the lookahead pages its 16-bit tail lives in)."""
+    holds tokens (the lookahead pages its 16-bit tail lives in).
+
+    With prefix caching and sink rows it also makes the engine's flag file of reclaimed sink rows
+    (:mod:`kvarn.vllm.lost_sinks`) and, before every prefix-cache lookup, evicts the first blocks the
+    workers flagged there: vLLM's lookup is a class method given the block pool, so the channel is
+    found by the block pool (:data:`_LOST`).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        path = getattr(self.kv_cache_spec, "lost_sinks", "")
+        if self.enable_caching and path and self.block_pool not in _LOST:
+            stride = max(1, int(self.kv_cache_spec.block_size) // _tile(self.kv_cache_spec))
+            _LOST[self.block_pool] = (LostSinks.create(path, self.block_pool.num_gpu_blocks * stride), stride)
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls, block_hashes: Any, max_length: int, kv_cache_group_ids: list[int], block_pool: Any, *args: Any,
+        **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        held = _LOST.get(block_pool)
+        if held is not None:
+            lost, stride = held
+            if gone := {key // stride for key in lost.take()}:
+                block_pool.evict_blocks(gone)
+        return super().find_longest_cache_hit(block_hashes, max_length, kv_cache_group_ids, block_pool, *args, **kwargs)
 
     def _ahead(self, num_tokens: int) -> int:
         blocks = int(getattr(self.kv_cache_spec, "tail_blocks", 0))

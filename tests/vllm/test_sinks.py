@@ -110,6 +110,49 @@ def test_prefix_cache_hit_reads_a_surviving_slot_else_tile0_quantized() -> None:
     assert _sink(d) == (-1, 0, 0) and pl.sinks.missing == 1
 
 
+def test_a_reclaimed_slot_takes_its_first_block_out_of_the_prefix_cache() -> None:
+    """Where the engine connects it (``LiveBlocks.uncache``), reclaiming a dead sequence's slot drops its
+    first block from vLLM's prefix cache, so no request reads that block as a hit without its rows."""
+    pl = Planner(1, capacity=2)
+    dropped: list[int] = []
+    pl.live.uncache = dropped.append
+    pl.plan([0, 40], [40], [[5, 6]])  # A computes tokens 0..39 and ends
+    pl.live.first = set()
+    pl.plan([0, 10], [42], [[5, 9]])  # B hits block 5 while A's slot survives: nothing dropped
+    assert dropped == []
+    pl.plan([0, 5], [5], [[20]])  # C needs the only slot: A's sequence loses it, block 5 leaves the cache
+    assert dropped == [5]
+
+
+def test_lost_sinks_leave_the_prefix_cache_before_a_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker flags a kernel block in the engine's file; the scheduler's next prefix-cache lookup
+    evicts its vLLM block (kernel block // stride: a hybrid model's block holds 4 tiles here) first."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    import kvarn.vllm.tail as tail
+    from kvarn.vllm.lost_sinks import LostSinks
+
+    class Pool:
+        evicted: list[set[int]] = []
+
+        def evict_blocks(self, blocks: set[int]) -> None:
+            self.evicted.append(blocks)
+
+    looked: list[object] = []
+    monkeypatch.setattr(FullAttentionManager, "find_longest_cache_hit",
+                        classmethod(lambda cls, *a, **k: looked.append(a[3]) or ((), 0)))  # fmt: skip
+    pool, path = Pool(), str(tmp_path / "flags")
+    monkeypatch.setitem(tail._LOST, pool, (LostSinks.create(path, 64), 4))
+    worker = LostSinks(path)  # the worker's view of the same file
+    worker.mark(9)
+    worker.mark(11)
+    worker.mark(64)  # past the pool: ignored
+    assert tail.TailManager.find_longest_cache_hit([], 128, [0], pool, None, False, 128) == ((), 0)
+    assert pool.evicted == [{2}] and looked == [pool]
+    tail.TailManager.find_longest_cache_hit([], 128, [0], pool, None, False, 128)
+    assert pool.evicted == [{2}]  # taken once
+
+
 def test_same_step_hit_on_a_first_block_another_request_fills() -> None:
     """vLLM may schedule a prefix-cache hit on a block a request of the same step computes: writers
     are planned first, so the reader (placed first in the batch) still finds the copies."""
