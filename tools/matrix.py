@@ -10,6 +10,16 @@ within :data:`kvarn.testing.greedy.NEAR_TIE` (logprobs within ``MAX_DRIFT`` befo
 vLLM's free blocks after the crowd and after the solo runs must equal those before it (no tail
 block, sink or cached block leaked).
 
+Crowd against alone compares kvarn with itself: a feature that moved every output alike would pass.
+So each cell of the plain models is also compared with the reference it must equal: the ``plain``
+cell on the same model, cache and dtype (prefix caching off, each prompt in one chunk, no
+speculation, no preemption, one worker), each request alone. In float32 a request is *exact* when
+its tokens are the reference's and every logprob is within :data:`FLOAT32_DRIFT` (another chunking
+or worker count sums in another order: rounding only), in bfloat16 by the near-tie rule above; and
+the cell proves its feature ran (prefix tokens hit, draft tokens accepted, preemptions, a prompt
+longer than the step's token budget, two workers). The mixed-bit, sliding-window and hybrid cells
+serve other schemes or models than any plain run; they keep the crowd-against-alone column only.
+
 Every cell runs with kvarn's cache and with vLLM's 16-bit cache, in float32 (vLLM's CPU ops then
 compute a request alike in any batch, so a kvarn difference is kvarn's) and in bfloat16 (as users
 serve), each engine in a fresh process with vLLM's engine core in-process (so the block pool can be
@@ -28,7 +38,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -38,6 +48,7 @@ from kvarn.bench.doc_section import measuring_args, utc_stamp, write_section
 GEN = 16  # greedy tokens per request
 PREFIX, SUFFIXES = 192, (60, 180)  # 1.5 tiles shared, then distinct tokens; each crosses a tile in decode
 ABORT_AFTER = 3  # tokens the aborted request produces before it is aborted
+FLOAT32_DRIFT = 1e-3  # float32 logprobs of another summation order differ by ~1e-5 (docs/connectors.md)
 KVARN = "kvarn_k4v2_g128"
 MIXED = "kvarn_k4v2_g128_L0k2v2_L11k2v2_L17-18k4v3_L29k2v2"  # the tuned SmolLM2 mix, on 128-token tiles
 
@@ -55,10 +66,13 @@ class Cell:
     preempt: bool = False  # KV memory for the longest request and the start of another: vLLM must preempt
     abort: bool = False  # one more request, aborted mid-tile once it produced ABORT_AFTER tokens
     kvarn_dtype: str = KVARN
+    reference: bool = True  # compared with the plain cell of its model (module docstring)
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 CELLS = (
+    Cell("plain", "the reference: no prefix caching, one chunk per prompt",
+         engine={"enable_prefix_caching": False, "max_num_batched_tokens": 1024}),
     Cell("prefix", "prefix caching, shared prefixes (hits)"),
     Cell("no-prefix", "prefix caching off", engine={"enable_prefix_caching": False}),
     Cell("chunks", "chunks of 96 tokens (cut tiles)", engine={"max_num_batched_tokens": 96}),
@@ -66,10 +80,10 @@ CELLS = (
     Cell("preempt", "KV memory for one request (preemption)", preempt=True),
     Cell("abort", "a request aborted mid-tile", abort=True),
     Cell("tp2", "tensor parallel 2 (random Llama, 2 KV heads)", model="tiny", engine={"tensor_parallel_size": 2}),
-    Cell("mixed", "per-layer mixed-bit preset", kvarn_dtype=MIXED),
-    Cell("sliding", "sliding-window layers (window 64, 5 of 6)", model="windowed"),
+    Cell("mixed", "per-layer mixed-bit preset", kvarn_dtype=MIXED, reference=False),
+    Cell("sliding", "sliding-window layers (window 64, 5 of 6)", model="windowed", reference=False),
     Cell("hybrid", "hybrid Mamba2 + attention (prefix caching off)", model="hybrid",
-         engine={"enable_prefix_caching": False, "block_size": None}),
+         engine={"enable_prefix_caching": False, "block_size": None}, reference=False),
     Cell("all", "prefix hits + chunks of 96 + ngram + preemption + abort",
          engine={"max_num_batched_tokens": 96, "speculative_config": NGRAM}, preempt=True, abort=True),
 )  # fmt: skip
@@ -190,9 +204,11 @@ def run_one(cell: Cell, cache: str, dtype: str, work: Path) -> dict[str, Any]:
                 elif out.finished and out.request_id != "abort":
                     done[out.request_id] = out
         crowd = greedy([done[str(i)] for i in range(len(prompts))])
+        cached = sum(int(done[str(i)].num_cached_tokens or 0) for i in range(len(prompts)))
         free_crowd = _free_blocks(llm)
         metrics = {m.name: m for m in llm.get_metrics()}
         preemptions = int(getattr(metrics.get("vllm:num_preemptions"), "value", 0) or 0)
+        accepted = int(getattr(metrics.get("vllm:spec_decode_num_accepted_tokens"), "value", 0) or 0)
         alone = []
         for p in prompts:
             llm.reset_prefix_cache()
@@ -206,7 +222,51 @@ def run_one(cell: Cell, cache: str, dtype: str, work: Path) -> dict[str, Any]:
     return {
         "cell": cell.name, "cache": cache, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "requests": rows,
         "free_blocks": [free0, free_crowd, free_end], "preemptions": preemptions,
+        "prefix_tokens_hit": cached, "draft_tokens_accepted": accepted,
+        "step_budget": kw.get("max_num_batched_tokens"), "longest_prompt": max(map(len, prompts)),
+        "workers": cell.engine.get("tensor_parallel_size", 1),
+        "crowd": [asdict(g) for g in crowd], "alone": [asdict(g) for g in alone],
     }  # fmt: skip
+
+
+def exercised(result: dict[str, Any]) -> str:
+    """What shows that the cell's feature ran ('' when it did not, or for the plain cell)."""
+    name = result["cell"]
+    proof = {
+        "prefix": f"{result['prefix_tokens_hit']} prefix tokens hit" if result["prefix_tokens_hit"] else "",
+        "ngram": f"{result['draft_tokens_accepted']} draft tokens accepted" if result["draft_tokens_accepted"] else "",
+        "preempt": f"{result['preemptions']} preempted" if result["preemptions"] else "",
+        "chunks": f"prompts of up to {result['longest_prompt']} tokens in steps of {result['step_budget']}"
+        if result["longest_prompt"] > (result["step_budget"] or 0)
+        else "",
+        "tp2": "2 workers" if result["workers"] == 2 else "",
+        "abort": "aborted mid-tile",  # the run stops the request itself once it has ABORT_AFTER tokens
+        "no-prefix": "prefix caching off",
+    }
+    if name == "all":
+        parts = [proof[k] for k in ("prefix", "ngram", "preempt", "chunks")]
+        return ", ".join(parts) if all(parts) else ""
+    return proof.get(name, "")
+
+
+def against_reference(result: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """Each crowd request of ``result`` against the same request alone in the plain cell ``reference``:
+    ``{"verdicts": [...], "why": [...], "exercised": ...}``, verdicts as in the module docstring."""
+    from kvarn.testing.greedy import Greedy, agree
+
+    verdicts, whys = [], []
+    for got, ref in zip(result["crowd"], reference["alone"], strict=True):
+        a, b = (Greedy(g["tokens"], [{int(t): v for t, v in d.items()} for d in g["top"]]) for g in (ref, got))
+        if a.tokens == b.tokens:
+            drift = max(abs(x[t] - y[t]) for t, x, y in zip(a.tokens, a.top, b.top, strict=True))
+            exact = result["dtype"] != "float32" or drift <= FLOAT32_DRIFT
+            verdicts.append("exact" if exact else "wrong")
+            whys.append("" if exact else f"logprob drift {drift:.2e} > {FLOAT32_DRIFT}")
+            continue
+        why = agree(a, b) if result["dtype"] != "float32" else "tokens differ"
+        verdicts.append("wrong" if why else "near-tie")
+        whys.append(why or "")
+    return {"verdicts": verdicts, "why": whys, "exercised": exercised(result)}
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -237,6 +297,33 @@ def table(results: list[dict[str, Any]], dtypes: list[str]) -> str:
             summary(r) + (f" ({r['preemptions']} preempted)" if r["preemptions"] else "") if r else "-" for r in got
         ]
         lines.append(f"| {cell.what} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def reference_table(results: list[dict[str, Any]], dtypes: list[str]) -> str:
+    """A markdown table: a row per compared cell, a column per (dtype, cache): the verdicts of its crowd
+    against the plain cell's solo runs, and what shows that its feature ran."""
+    cols = [(d, c) for d in dtypes for c in ("kvarn", "default")]
+    by = {(r["cell"], r["dtype"], r["cache"]): r for r in results if "vs_reference" in r}
+    if not by:
+        return "(no cell compared: run the plain cell beside the others)"
+    lines = ["| cell | " + " | ".join(f"{c} {d}" for d, c in cols) + " |", "|---|" + "---|" * len(cols)]
+    for cell in CELLS:
+        got = [by.get((cell.name, d, c)) for d, c in cols]
+        if not any(got):
+            continue
+        texts = []
+        for r in got:
+            if r is None:
+                texts.append("-")
+                continue
+            ref = r["vs_reference"]
+            v = ref["verdicts"]
+            text = f"{v.count('exact')}/{len(v)} exact" + "".join(
+                f", {v.count(k)} {k}" for k in ("near-tie", "wrong") if v.count(k)
+            )
+            texts.append(text + f" ({ref['exercised'] or 'FEATURE NOT EXERCISED'})")
+        lines.append(f"| {cell.what} | " + " | ".join(texts) + " |")
     return "\n".join(lines)
 
 
@@ -272,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run_one(cell, cache, dtype, args.work)
         _result_path(args.work, cell, cache, dtype).write_text(json.dumps(result | {"model": cell.model}, indent=1))
         return 0
+    if "plain" not in cells and any(_cell(c, None).reference for c in cells):
+        cells = ["plain", *cells]  # the reference the other cells are compared with
     runs = [(c, k, d) for d in dtypes for c in cells for k in caches]
     # VLLM_CPU_KVCACHE_SPACE would replace each cell's KV memory (vLLM's CPU platform prefers it to
     # kv_cache_memory_bytes): a preemption cell would get 1 GiB or more and never preempt
@@ -293,7 +382,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
         results.append(json.loads(out.read_text()))
     ok = [r for r in results if "error" not in r]
-    text = table(ok, dtypes)
+    plain = {(r["cache"], r["dtype"]): r for r in ok if r["cell"] == "plain"}
+    for r in ok:
+        if r["cell"] != "plain" and _cell(r["cell"], None).reference and (r["cache"], r["dtype"]) in plain:
+            r["vs_reference"] = against_reference(r, plain[(r["cache"], r["dtype"])])
+    text = table(ok, dtypes) + "\n\nAgainst the reference (the plain cell, each request alone):\n\n"
+    text += reference_table(ok, dtypes)
     failed = [f"{r['cell']} {r['cache']} {r['dtype']}: {r['error']}" for r in results if "error" in r]
     print(text + "".join(f"\nfailed: {f}" for f in failed))
     if args.json:
@@ -302,7 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         measured = measuring_args(argv if argv is not None else sys.argv[1:], ("--json", "--doc", "--work"))
         command = " ".join(["python tools/matrix.py", *measured])
         write_section(args.doc, "matrix", f"`{command}` ({utc_stamp()})\n\n{text}\n", title="# Reliability")
-    return 1 if failed or any(r["verdict"] == "wrong" for r in ok for r in r["requests"]) else 0
+    wrong = any(r["verdict"] == "wrong" for r in ok for r in r["requests"])
+    wrong |= any("wrong" in r["vs_reference"]["verdicts"] or not r["vs_reference"]["exercised"]
+                 for r in ok if "vs_reference" in r)  # fmt: skip
+    return 1 if failed or wrong else 0
 
 
 if __name__ == "__main__":
