@@ -287,31 +287,38 @@ def summary(result: dict[str, Any]) -> str:
 def table(results: list[dict[str, Any]], dtypes: list[str]) -> str:
     """A markdown table: a row per cell, a column per (dtype, cache)."""
     cols = [(d, c) for d in dtypes for c in ("kvarn", "default")]
-    by = {(r["cell"], r["dtype"], r["cache"]): r for r in results}
+    by = {(r["cell"], r["model"], r["dtype"], r["cache"]): r for r in results}
     lines = ["| cell | " + " | ".join(f"{c} {d}" for d, c in cols) + " |", "|---|" + "---|" * len(cols)]
-    for cell in CELLS:
-        got = [by.get((cell.name, d, c)) for d, c in cols]
-        if not any(got):
-            continue
+    for name, model, what in _rows(results):
+        got = [by.get((name, model, d, c)) for d, c in cols]
         cells = [
             summary(r) + (f" ({r['preemptions']} preempted)" if r["preemptions"] else "") if r else "-" for r in got
         ]
-        lines.append(f"| {cell.what} | " + " | ".join(cells) + " |")
+        lines.append(f"| {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _rows(results: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """``(cell, model, label)`` of the table rows, in the order of :data:`CELLS`; the model is named where
+    a cell ran on another than its own (``--model``, or the plain reference of the TP=2 cell's model)."""
+    rows = []
+    for cell in CELLS:
+        for model in dict.fromkeys(r["model"] for r in results if r["cell"] == cell.name):
+            rows.append((cell.name, model, cell.what + ("" if model == cell.model else f" ({model})")))
+    return rows
 
 
 def reference_table(results: list[dict[str, Any]], dtypes: list[str]) -> str:
     """A markdown table: a row per compared cell, a column per (dtype, cache): the verdicts of its crowd
     against the plain cell's solo runs, and what shows that its feature ran."""
     cols = [(d, c) for d in dtypes for c in ("kvarn", "default")]
-    by = {(r["cell"], r["dtype"], r["cache"]): r for r in results if "vs_reference" in r}
+    compared = [r for r in results if "vs_reference" in r]
+    by = {(r["cell"], r["model"], r["dtype"], r["cache"]): r for r in compared}
     if not by:
         return "(no cell compared: run the plain cell beside the others)"
     lines = ["| cell | " + " | ".join(f"{c} {d}" for d, c in cols) + " |", "|---|" + "---|" * len(cols)]
-    for cell in CELLS:
-        got = [by.get((cell.name, d, c)) for d, c in cols]
-        if not any(got):
-            continue
+    for name, model, what in _rows(compared):
+        got = [by.get((name, model, d, c)) for d, c in cols]
         texts = []
         for r in got:
             if r is None:
@@ -323,7 +330,7 @@ def reference_table(results: list[dict[str, Any]], dtypes: list[str]) -> str:
                 f", {v.count(k)} {k}" for k in ("near-tie", "wrong") if v.count(k)
             )
             texts.append(text + f" ({ref['exercised'] or 'FEATURE NOT EXERCISED'})")
-        lines.append(f"| {cell.what} | " + " | ".join(texts) + " |")
+        lines.append(f"| {what} | " + " | ".join(texts) + " |")
     return "\n".join(lines)
 
 
@@ -359,33 +366,39 @@ def main(argv: list[str] | None = None) -> int:
         result = run_one(cell, cache, dtype, args.work)
         _result_path(args.work, cell, cache, dtype).write_text(json.dumps(result | {"model": cell.model}, indent=1))
         return 0
-    if "plain" not in cells and any(_cell(c, None).reference for c in cells):
-        cells = ["plain", *cells]  # the reference the other cells are compared with
-    runs = [(c, k, d) for d in dtypes for c in cells for k in caches]
+    chosen = [_cell(c, args.model) for c in cells]
+    for model in dict.fromkeys(c.model for c in chosen if c.reference and c.name != "plain"):
+        plain = _cell("plain", model)  # the reference the other cells of this model are compared with
+        if plain not in chosen:
+            chosen.insert(0, plain)
+    runs = [(c, k, d) for d in dtypes for c in chosen for k in caches]
     # VLLM_CPU_KVCACHE_SPACE would replace each cell's KV memory (vLLM's CPU platform prefers it to
     # kv_cache_memory_bytes): a preemption cell would get 1 GiB or more and never preempt
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     results = []
     for n, (cell, cache, dtype) in enumerate(runs, 1):
-        out = _result_path(args.work, _cell(cell, args.model), cache, dtype)
+        out = _result_path(args.work, cell, cache, dtype)
         if not out.exists():
             t0 = time.time()
-            print(f"[{n}/{len(runs)}] {cell} {cache} {dtype} ...", end=" ", flush=True, file=sys.stderr)
+            what = f"{cell.name} ({cell.model}) {cache} {dtype}"
+            print(f"[{n}/{len(runs)}] {what} ...", end=" ", flush=True, file=sys.stderr)
             log = out.with_suffix(".log").open("w")
-            cmd = [sys.executable, __file__, "--work", str(args.work), "--one", cell, cache, dtype]
-            cmd += ["--model", args.model] if args.model else []
+            cmd = [sys.executable, __file__, "--work", str(args.work), "--one", cell.name, cache, dtype]
+            cmd += ["--model", cell.model]
             rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
             print(f"rc {rc}, {time.time() - t0:.0f} s", file=sys.stderr)
             if rc:
-                results.append({"cell": cell, "cache": cache, "dtype": dtype, "error": f"rc {rc}, see {log.name}"})
+                results.append({"cell": cell.name, "model": cell.model, "cache": cache, "dtype": dtype,
+                                "error": f"rc {rc}, see {log.name}"})  # fmt: skip
                 continue
         results.append(json.loads(out.read_text()))
     ok = [r for r in results if "error" not in r]
-    plain = {(r["cache"], r["dtype"]): r for r in ok if r["cell"] == "plain"}
+    plain = {(r["model"], r["cache"], r["dtype"]): r for r in ok if r["cell"] == "plain"}
     for r in ok:
-        if r["cell"] != "plain" and _cell(r["cell"], None).reference and (r["cache"], r["dtype"]) in plain:
-            r["vs_reference"] = against_reference(r, plain[(r["cache"], r["dtype"])])
+        ref = plain.get((r["model"], r["cache"], r["dtype"]))
+        if r["cell"] != "plain" and _cell(r["cell"], None).reference and ref is not None:
+            r["vs_reference"] = against_reference(r, ref)
     text = table(ok, dtypes) + "\n\nAgainst the reference (the plain cell, each request alone):\n\n"
     text += reference_table(ok, dtypes)
     failed = [f"{r['cell']} {r['cache']} {r['dtype']}: {r['error']}" for r in results if "error" in r]

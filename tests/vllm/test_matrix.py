@@ -39,11 +39,10 @@ def test_all_features_at_once_exact_and_nothing_leaks(tmp_path: Path) -> None:
     start, after_crowd, after_alone = result["free_blocks"]
     assert start == after_crowd == after_alone, result["free_blocks"]
     assert result["preemptions"] > 0, result
-    assert "| prefix hits + chunks of 96 + ngram + preemption + abort | 6/6 exact" in proc.stdout, proc.stdout
+    assert "| prefix hits + chunks of 96 + ngram + preemption + abort (tiny) | 6/6 exact" in proc.stdout, proc.stdout
     ref = result["vs_reference"]
     assert ref["verdicts"] == ["exact"] * 6, ref
     assert result["prefix_tokens_hit"] > 0 and result["draft_tokens_accepted"] > 0, result
     assert result["longest_prompt"] > result["step_budget"], result
-    assert (
-        "| prefix hits + chunks of 96 + ngram + preemption + abort | 6/6 exact (" in proc.stdout.split("reference")[1]
-    )
+    against = proc.stdout.split("Against the reference")[1]
+    assert "| prefix hits + chunks of 96 + ngram + preemption + abort (tiny) | 6/6 exact (" in against, against
