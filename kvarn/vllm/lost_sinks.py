@@ -40,8 +40,10 @@ def channel_path(vllm_config: Any) -> str:
     cache = vllm_config.cache_config
     if not cache.enable_prefix_caching or not sink_capacity(DTYPES.scheme(str(cache.cache_dtype))):
         return ""
-    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return str(root / f"kvarn-lost-sinks-{vllm_config.instance_id}")
+    shm = Path("/dev/shm")
+    root = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0)  # each engine core its own
+    return str(root / f"kvarn-lost-sinks-{vllm_config.instance_id}-{rank}")
 
 
 class LostSinks:

@@ -192,7 +192,11 @@ class TailManager(FullAttentionManager):
         path = getattr(self.kv_cache_spec, "lost_sinks", "")
         if self.enable_caching and path and self.block_pool not in _LOST:
             stride = max(1, int(self.kv_cache_spec.block_size) // _tile(self.kv_cache_spec))
-            _LOST[self.block_pool] = (LostSinks.create(path, self.block_pool.num_gpu_blocks * stride), stride)
+            try:
+                _LOST[self.block_pool] = (LostSinks.create(path, self.block_pool.num_gpu_blocks * stride), stride)
+            except OSError as e:
+                logger.warning("kvarn: cannot create %s (%s): a prefix-cache hit on a sequence whose sink rows "
+                               "were reclaimed reads its tile 0 quantized", path, e)  # fmt: skip
 
     @classmethod
     def find_longest_cache_hit(
