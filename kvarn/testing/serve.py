@@ -142,3 +142,65 @@ def complete(url: str, model: str, ids: list[int], max_tokens: int) -> Completio
 def _token_id(token: str) -> int:
     """The id of a token that vLLM returns as ``token_id:N`` (``return_tokens_as_token_ids``)."""
     return int(token.removeprefix("token_id:"))
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A streamed completion as its client saw it: the chunks that carried a choice, and whether
+    the server ended the stream (``data: [DONE]``; False when the client closed it first)."""
+
+    chunks: int
+    done: bool
+
+
+def stream_completion(
+    url: str, model: str, ids: list[int], max_tokens: int, *, close_after: int | None = None, timeout_s: float = 900
+) -> Streamed:
+    """``POST /v1/completions`` of the token ids ``ids`` with ``"stream": true``, greedy, ``max_tokens``
+    tokens, read chunk by chunk; with ``close_after`` the client closes the connection after that
+    many chunks (a client that goes away mid-stream; the server must abort the request).
+
+    Raises:
+        urllib.error.HTTPError: the server refused the request.
+        ValueError: a chunk that is not a completion chunk (an error event, say).
+    """
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    chunks = 0
+    with urllib.request.urlopen(request, timeout=timeout_s) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line.removeprefix("data:").strip()
+            if data == "[DONE]":
+                return Streamed(chunks, True)
+            event = json.loads(data)
+            if "choices" not in event:
+                raise ValueError(f"not a completion chunk: {data[:500]}")
+            chunks += 1
+            if close_after is not None and chunks >= close_after:
+                break  # leaving the block closes the socket
+    return Streamed(chunks, False)
+
+
+def read_metrics(url: str, timeout_s: float = 30) -> dict[str, float]:
+    """The server's ``/metrics`` (Prometheus text) as ``{name: value}``, each name's samples summed
+    over their labels (engines, models); ``*_created`` timestamps left out."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout_s) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        if name.endswith("_created"):
+            continue
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
