@@ -28,7 +28,7 @@ import torch
 
 from kvarn.bench.cpu_engine import bench_serve, bench_serve_prefill, serve_prefill_table, serve_table
 from kvarn.bench.cpu_ops import bench_ops, bench_prefill, bench_store, ops_table, prefill_table, store_table
-from kvarn.bench.doc_section import commit, machine, measuring_args, utc_stamp, write_section
+from kvarn.bench.doc_section import measured_at, measuring_args, write_section
 from kvarn.models import BENCH_MODELS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "cpu_serving.md"
@@ -108,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_doc:
         measured = measuring_args(argv if argv is not None else sys.argv[1:], ("--json", "--doc", "--section"))
         cmd = "python tools/bench_cpu_serving.py " + " ".join(measured)
-        where = f" (commit {commit()}; {machine()})" if args.cmd == "ops" else ""
-        body = f"Measured {utc_stamp()}{where}, {UNITS[args.cmd]}`{cmd}`:\n\n{table}"
+        body = f"Measured {measured_at()}, {UNITS[args.cmd]}`{cmd}`:\n\n{table}"
         write_section(args.doc, args.section or args.cmd, body, title="# CPU serving")
     return 0
 

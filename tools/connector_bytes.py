@@ -49,7 +49,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvarn.bench.doc_section import measuring_args, utc_stamp, write_section
+from kvarn.bench.doc_section import measured_at, measuring_args, write_section
 
 MODEL = "smollm2-135m"
 TILE = 128
@@ -278,9 +278,7 @@ def main(argv: list[str] | None = None) -> None:
             args.json.write_text(json.dumps(rows, indent=1))
         if args.doc:
             cmd = " ".join(["python tools/connector_bytes.py", *measuring_args(args_list, ("--doc", "--json"))])
-            head = (
-                f"`{cmd}` ({utc_stamp()}, {args.offload_model}, bfloat16; computed by vLLM's code on CPU, not served)"
-            )
+            head = f"`{cmd}` ({measured_at(False)}, {args.offload_model}, bfloat16; computed by vLLM's code on CPU, not served)"
             write_section(args.doc, "offload-capacity", f"{head}:\n\n{text}")
         return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the prompts need a few MiB
@@ -304,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.doc:
         cmd = " ".join(["python tools/connector_bytes.py", *measuring_args(args_list, ("--doc",))])
         section = "connector-bytes" if args.dtypes else "connector-bytes-in-process"
-        write_section(args.doc, section, f"`{cmd}` ({utc_stamp()}, {MODEL}, bfloat16):\n\n{text}")
+        write_section(args.doc, section, f"`{cmd}` ({measured_at(False)}, {MODEL}, bfloat16):\n\n{text}")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ DRIVER=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null
 "$PY" - "$DOC" "$LOG_DIR/bench.md" "$TESTS_LINE" "$DRIVER" <<'EOF' || fail "writing $DOC"
 import datetime, platform, sys
 import torch, triton
+from kvarn.bench.doc_section import commit
 
 doc, bench, tests, driver = sys.argv[1:5]
 text = open(doc, encoding="utf-8").read()
@@ -90,7 +91,7 @@ _, tail = rest.split(end, 1)
 now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 section = [
     begin,
-    f"Measured {now} on {torch.cuda.get_device_name()} (driver {driver}), torch {torch.__version__}, "
+    f"Measured {now} at commit {commit()} on {torch.cuda.get_device_name()} (driver {driver}), torch {torch.__version__}, "
     f"Triton {triton.__version__}, Python {platform.python_version()}, by `tools/gpu_check.sh` "
     f"(GPU tests: {tests}; then `python tools/bench_kernels.py --quick`):",
     "",

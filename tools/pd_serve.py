@@ -32,7 +32,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvarn.bench.doc_section import measuring_args, utc_stamp, write_section
+from kvarn.bench.doc_section import measured_at, measuring_args, write_section
 from kvarn.testing.greedy import agree, first_difference
 from kvarn.testing.serve import complete, connector_server
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.doc:
         cmd = " ".join(["python tools/pd_serve.py", *measuring_args(args_list, ("--doc",))])
         name = "pd-serve" if args.dtype == "bfloat16" else f"pd-serve-{args.dtype}"
-        write_section(args.doc, name, f"`{cmd}` ({utc_stamp()}, smollm2-135m, {DTYPE}):\n\n{table}")
+        write_section(args.doc, name, f"`{cmd}` ({measured_at(False)}, smollm2-135m, {DTYPE}):\n\n{table}")
     if not all(r["at"] is None or (r["near_tie"] == "yes" and r["split"] == "yes") for r in rows):
         sys.exit("the decode server's greedy tokens differ from the prefill server's beyond a near-tie")
 

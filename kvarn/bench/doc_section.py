@@ -3,7 +3,8 @@ date, commit and machine it records.
 
 A benchmark prints its table and replaces its section of a page (the text between
 ``<!-- name -->`` and ``<!-- /name -->``), stamped with the UTC time and the command that measured
-it, less the options that only say where the output goes.
+it, less the options that only say where the output goes. Every section names the commit it ran
+(:func:`commit`) and, where timings depend on it, the machine (:func:`machine`): :func:`measured_at`.
 """
 
 from __future__ import annotations
@@ -76,3 +77,9 @@ def commit() -> str:
         return "unknown"
     folders = sorted({"/".join(line[3:].split("/")[:2]) for line in dirty})
     return head + (f" (with uncommitted changes in {', '.join(folders)})" if folders else "")
+
+
+def measured_at(with_machine: bool = True) -> str:
+    """When, at which commit and (``with_machine``) on which CPU a section was measured:
+    ``2026-12-04 23:29 UTC at commit 6f633fe on AMD EPYC, 2 cores, avx2, fma``."""
+    return f"{utc_stamp()} at commit {commit()}" + (f" on {machine()}" if with_machine else "")

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvarn.bench.doc_section import ROOT, measuring_args, utc_stamp, write_section
+from kvarn.bench.doc_section import ROOT, measured_at, measuring_args, write_section
 from kvarn.models import BENCH_MODELS
 
 DOC = ROOT / "docs" / "cpu_serving.md"
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(rows, indent=1))
     if not args.no_doc:
         cmd = " ".join(measuring_args(argv if argv is not None else sys.argv[1:], ("--json", "--doc"), ("--no-doc",)))
-        body = f"Measured {utc_stamp()}, CPU seconds of one thread, `python tools/profile_engine.py {cmd}`:\n\n{text}"
+        body = f"Measured {measured_at()}, CPU seconds of one thread, `python tools/profile_engine.py {cmd}`:\n\n{text}"
         write_section(args.doc, "profile-engine", body)
     return 0
 
