@@ -43,7 +43,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvarn.bench.doc_section import measuring_args, utc_stamp, write_section
+from kvarn.bench.doc_section import measured_at, measuring_args, write_section
 
 GEN = 16  # greedy tokens per request
 PREFIX, SUFFIXES = 192, (60, 180)  # 1.5 tiles shared, then distinct tokens; each crosses a tile in decode
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.doc:
         measured = measuring_args(argv if argv is not None else sys.argv[1:], ("--json", "--doc", "--work"))
         command = " ".join(["python tools/matrix.py", *measured])
-        write_section(args.doc, "matrix", f"`{command}` ({utc_stamp()})\n\n{text}\n", title="# Reliability")
+        write_section(args.doc, "matrix", f"`{command}` ({measured_at()})\n\n{text}\n", title="# Reliability")
     wrong = any(r["verdict"] == "wrong" for r in ok for r in r["requests"])
     wrong |= any("wrong" in r["vs_reference"]["verdicts"] or not r["vs_reference"]["exercised"]
                  for r in ok if "vs_reference" in r)  # fmt: skip
