@@ -87,6 +87,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "kvarn's alike, allocator and cache warm-up rather than a leak; 25%% leaves room for that and "
         "catches a leak that grows with the requests served)",
     )  # fmt: skip
+    p.add_argument(
+        "--reserve-full-prompt", action="store_true",
+        help="keep vLLM's admission (a request only when its whole prompt fits: it then rarely preempts); by "
+        "default the server runs with --no-scheduler-reserve-full-isl, so that bursts preempt",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the clients' choices (default %(default)s)")
     p.add_argument("--serve-arg", action="append", default=[], help="extra `vllm serve` argument (repeatable)")
     p.add_argument("--log", type=Path, help="keep the server's log here (default: a temporary file)")
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, max_tokens=a.max_tokens,
             kv_tokens=a.kv_tokens, kv_cache_memory_bytes=a.kv_cache_memory_bytes, burst_every_s=a.burst_every, checks=a.checks,
             check_len=a.check_len, check_tokens=a.check_tokens, idle_s=a.idle, rss_every_s=a.rss_every,
-            progress_every_s=a.progress_every, seed=a.seed, serve_args=tuple(a.serve_arg),
+            progress_every_s=a.progress_every, seed=a.seed, reserve_full_prompt=a.reserve_full_prompt, serve_args=tuple(a.serve_arg),
         )  # fmt: skip
         env = dict(os.environ)
         cores = sorted(os.sched_getaffinity(0))

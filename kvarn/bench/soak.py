@@ -16,7 +16,11 @@ log, and drives it from a bounded set of client threads:
   2-4 chunks (the server must abort them: "dropped"), the others whole with greedy logprobs;
 - every ``burst_every_s`` each client's next request is a full-length one (a prompt one token short
   of whole blocks, ``max_tokens`` output tokens): all clients at once, more than the KV memory
-  holds, each needing a new block as it decodes, so vLLM preempts;
+  holds, so vLLM preempts. vLLM 0.32 admits a request only when its whole prompt fits
+  (``scheduler_reserve_full_isl``) and then preempts only when decode outgrows the free blocks,
+  which outputs of 128 tokens rarely do (``docs/reliability.md``, Soak); the server runs with ``--no-scheduler-reserve-full-isl`` (unless
+  ``reserve_full_prompt``), so a prompt is admitted by its first chunk of 2,048 tokens and a burst's
+  second chunks preempt;
 - "check" prompts (``checks`` slices of ~300 tokens, 32 greedy tokens each): their answers are first
   recorded on the idle server, each alone, then one in eight requests under load re-asks one of
   them; each answer is compared with its alone answer, token ids exactly. In float32 vLLM's CPU ops
@@ -26,9 +30,10 @@ When the time is up (or on Ctrl-C) clients finish the requests they have in flig
 waits for the server to go idle (``idle_s``) and reads its ``/metrics``: KV-cache usage, running and
 waiting requests, preemptions. A thread samples the resident memory (``VmRSS``) of the server's
 process tree every ``rss_every_s``; growth is the last sample over the first after warm-up (the
-first 10% of the load or 60 s, whichever is longer). The log is scanned for ``ERROR`` lines and
-tracebacks. :func:`failures` says what makes a run fail. The command line (:func:`main`) prints
-progress lines and the table, writes JSON and a section of ``docs/reliability.md``.
+first 10% of the load or 60 s, whichever is longer). The log up to then is scanned for ``ERROR``
+lines and tracebacks. :func:`failures` says what makes a run fail. The command line
+(``tools/soak.py``) prints progress lines and the table, writes JSON and a section of
+``docs/reliability.md``.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ class SoakConfig:
     max_tokens: int = 128  # output tokens of an ordinary request: 16 up to this
     kv_tokens: int | None = None  # KV memory for about this many tokens (None: 4 x max_model_len)
     kv_cache_memory_bytes: int | None = None  # overrides kv_tokens
-    burst_every_s: float = 120.0
+    burst_every_s: float = 300.0
     checks: int = 8
     check_len: int = 300
     check_tokens: int = 32
@@ -72,6 +77,7 @@ class SoakConfig:
     rss_every_s: float = 10.0
     progress_every_s: float = 60.0
     seed: int = 0
+    reserve_full_prompt: bool = False  # vLLM's default admission: see the module doc
     serve_args: tuple[str, ...] = ()
 
 
@@ -350,7 +356,8 @@ def run(cfg: SoakConfig, log: Path, env: Mapping[str, str], progress: Callable[[
     args = [str(model_dir), "--served-model-name", name, "--kv-cache-dtype", cfg.kv_cache_dtype, "--dtype", cfg.dtype,
             "--kv-cache-memory-bytes", str(kv_bytes), "--max-model-len", str(cfg.max_model_len),
             "--max-num-seqs", str(cfg.max_num_seqs), "--seed", "0", "--enforce-eager",
-            "--enable-prompt-tokens-details", *cfg.serve_args]  # fmt: skip
+            "--enable-prompt-tokens-details", *([] if cfg.reserve_full_prompt else ["--no-scheduler-reserve-full-isl"]),
+            *cfg.serve_args]  # fmt: skip
     server_env = {k: v for k, v in env.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # it would override the bytes
     rss: list[tuple[float, int]] = []
     t0 = time.monotonic()
@@ -371,7 +378,7 @@ def run(cfg: SoakConfig, log: Path, env: Mapping[str, str], progress: Callable[[
         progress(f"load over after {duration:.0f} s; waiting up to {cfg.idle_s:.0f} s for the server to go idle")
         metrics = _wait_idle(url, cfg.idle_s)
         rss.append((round(time.monotonic() - start, 1), tree_rss(os.getpid())))
-    text = log.read_text(errors="replace")
+        text = log.read_text(errors="replace")  # before the server stops: its shutdown logs engine errors
     t = load.tally
     warm_s = max(0.1 * duration, 60.0)
     warm = next((b for s, b in rss if s >= warm_s), None)
@@ -420,11 +427,14 @@ def _drive(load: _Load, threads: list[threading.Thread], rss: list[tuple[float, 
             progress(f"interrupted: waiting for {t.in_flight} requests in flight (Ctrl-C again: stop waiting)")
         if time.monotonic() >= next_line:
             next_line += every
+            preempted = "?"
+            with contextlib.suppress(OSError, ValueError):
+                preempted = f"{read_metrics(load.url).get('vllm:num_preemptions_total', 0):.0f}"
             with t.lock:
                 differ = sum(r["first_difference"] is not None for r in t.check_results)
                 line = (f"{time.monotonic() - load.start:6.0f} s: {t.sent} requests ({t.served} served, "
                         f"{t.streamed} streamed, {t.dropped} dropped, {t.errors} errors), {len(t.check_results)} "
-                        f"checks ({differ} differing), {t.bursts} bursts, {t.in_flight} in flight")  # fmt: skip
+                        f"checks ({differ} differing), {t.bursts} bursts, {preempted} preemptions, {t.in_flight} in flight")  # fmt: skip
             progress(line + (f", RSS {rss[-1][1] / 2**30:.2f} GiB" if rss else ""))
     return interrupted
 
