@@ -37,13 +37,15 @@ from kvarn.vllm.registry import DTYPES
 def channel_path(vllm_config: Any) -> str:
     """The flag file of the engine ``vllm_config`` configures; ``""`` where no sink row can be lost
     from a cached prefix (prefix caching off, a scheme without sink rows)."""
-    cache = vllm_config.cache_config
-    if not cache.enable_prefix_caching or not sink_capacity(DTYPES.scheme(str(cache.cache_dtype))):
+    cache, engine = vllm_config.cache_config, getattr(vllm_config, "instance_id", "")
+    if not engine or not getattr(cache, "enable_prefix_caching", False):  # a stand-in config: no engine
+        return ""
+    if not sink_capacity(DTYPES.scheme(str(cache.cache_dtype))):
         return ""
     shm = Path("/dev/shm")
     root = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0)  # each engine core its own
-    return str(root / f"kvarn-lost-sinks-{vllm_config.instance_id}-{rank}")
+    rank = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_rank", 0)  # each engine core its own
+    return str(root / f"kvarn-lost-sinks-{engine}-{rank}")
 
 
 class LostSinks:
