@@ -239,7 +239,7 @@ def layer_specs(cfg: Any, name: str, base: Any, layers: int, slots: int) -> tupl
     from kvarn.vllm.pages import layer_page_bytes, packed_spec
     from kvarn.vllm.plugin import is_kvarn_dtype
     from kvarn.vllm.pools import pool_bytes
-    from kvarn.vllm.tail import with_tail
+    from kvarn.vllm.tail_spec import with_tail
 
     heads, d = base.num_kv_heads, base.head_size
     layout = layout_for(cfg)

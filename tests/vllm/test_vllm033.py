@@ -553,7 +553,7 @@ def check_tail_spec(tmp: Path) -> Any:
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     from kvarn.vllm.plugin import register
-    from kvarn.vllm.tail import with_tail
+    from kvarn.vllm.tail_spec import with_tail
 
     register()
     spec = with_tail(FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16), 5)
