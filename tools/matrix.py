@@ -351,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("matrix_runs"), help="per-run results and built models")
     ap.add_argument("--json", type=Path, help="write every run's result here")
     ap.add_argument("--doc", type=Path, help="replace the matrix section of this markdown file")
+    ap.add_argument("--section", default="matrix", help="the name of that section (default: matrix)")
     ap.add_argument("--model", choices=MODELS, help="serve every cell on this model (a quick check: tiny)")
     ap.add_argument("--one", nargs=3, metavar=("CELL", "CACHE", "DTYPE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -406,9 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     if args.doc:
-        measured = measuring_args(argv if argv is not None else sys.argv[1:], ("--json", "--doc", "--work"))
+        measured = measuring_args(
+            argv if argv is not None else sys.argv[1:], ("--json", "--doc", "--work", "--section")
+        )
         command = " ".join(["python tools/matrix.py", *measured])
-        write_section(args.doc, "matrix", f"`{command}` ({measured_at()})\n\n{text}\n", title="# Reliability")
+        write_section(args.doc, args.section, f"`{command}` ({measured_at()})\n\n{text}\n", title="# Reliability")
     wrong = any(r["verdict"] == "wrong" for r in ok for r in r["requests"])
     wrong |= any("wrong" in r["vs_reference"]["verdicts"] or not r["vs_reference"]["exercised"]
                  for r in ok if "vs_reference" in r)  # fmt: skip
