@@ -87,19 +87,20 @@ def test_run_order_alternates() -> None:
     assert bench.run_order(["A", "B"], 3) == [(0, "A"), (0, "B"), (1, "B"), (1, "A"), (2, "A"), (2, "B")]
 
 
-def _row(cache: str, rep: int, tok_s: float, ttft: float, kv: int) -> dict[str, Any]:
+def _row(cache: str, rep: int, tok_s: float, ttft: float, kv: int, held: int = 10) -> dict[str, Any]:
     w = bench.scaled(bench.WORKLOADS["burst"], 16, 1024, 128)
     return {"model": "smollm2-135m", "workload": w.name, "letter": w.letter, "kv_cache_dtype": cache, "repeat": rep,
             "num_prompts": w.num_prompts, "input_len": w.input_len, "output_len": w.output_len, "prefix_len": 0,
             "max_concurrency": w.max_concurrency, **bench.parse_result(RESULT), "output_tok_per_s": tok_s,
             "ttft_p50_ms": ttft, "kv_tokens": kv, "peak_running": 16, "preemptions": rep, "log_prompt_phase_s": 900.0,
             "log_gen_after_prompts": 1500 + rep, "log_decode_only_tok_per_s": 50.0 + rep,
-            "log_decode_only_running": 16, "load_avg_1min": 2.0 + rep}  # fmt: skip
+            "log_decode_only_running": 16, "load_avg_1min": 2.0 + rep, "running_while_waiting": held + rep,
+            "logged_concurrency": kv / 1536}  # fmt: skip
 
 
 def test_summary_takes_medians_and_ratios_to_the_default(tmp_path: Path) -> None:
-    rows = [_row("auto", 0, 10.0, 4000, 45656), _row("kvarn_k4v2_g128", 0, 6.0, 8000, 204448),
-            _row("kvarn_k4v2_g128", 1, 8.0, 6000, 204448), _row("auto", 1, 12.0, 2000, 45656)]  # fmt: skip
+    rows = [_row("auto", 0, 10.0, 4000, 45656), _row("kvarn_k4v2_g128", 0, 6.0, 8000, 204448, 28),
+            _row("kvarn_k4v2_g128", 1, 8.0, 6000, 204448, 28), _row("auto", 1, 12.0, 2000, 45656)]  # fmt: skip
     s = {r["kv_cache_dtype"]: r for r in bench.summarize(rows)}
     assert s["auto"]["runs"] == 2 and s["auto"]["output_tok_per_s"] == 11.0 and s["auto"]["preemptions"] == 1
     k = s["kvarn_k4v2_g128"]
@@ -107,7 +108,10 @@ def test_summary_takes_medians_and_ratios_to_the_default(tmp_path: Path) -> None
     assert k["kv_tokens_vs_default"] == round(204448 / 45656, 2) and s["auto"]["output_tok_per_s_vs_default"] == 1.0
     text = bench.table(bench.summarize(rows))
     assert "| (a) burst | 16 x 1,024 + 128, all at once | `kvarn_k4v2_g128` | 2 | 7.0 | 0.64x |" in text
-    assert "204,448 | 4.48x | 16 | 1 | 900 | 1,500 | 50 | 16 |" in text and len(text.splitlines()) == 4
+    assert k["running_while_waiting"] == 28.5 and k["running_while_waiting_vs_default"] == round(28.5 / 10.5, 2)
+    assert k["logged_concurrency_vs_default"] == round(204448 / 45656, 2)
+    assert "204,448 | 4.48x | 16 | 1.00x | 28 | 2.71x | 133.10x | 4.48x | 1 | 900 | 1,500 | 50 | 16 |" in text
+    assert len(text.splitlines()) == 4
     assert all(line.count("|") == text.splitlines()[0].count("|") for line in text.splitlines())
     json.dumps(bench.summarize(rows))  # --json writes it
 
@@ -187,6 +191,20 @@ def test_phases_of_a_run_from_the_stats_lines() -> None:
     # decode never ran alone (a queue to the end): the prompt phase only
     q = bench.phases(_stats("12-05 10:00:00", 300.0, 1.0, 4, 2) + _stats("12-05 10:00:10", 0.0, 3.0, 4, 1))
     assert q["prompt_phase_s"] == 10.0 and q["gen_after_prompts"] == 30 and q["decode_only_tok_per_s"] is None
+    # requests held while others waited: the windows with a queue only
+    assert (
+        bench.running_while_waiting(log) == 2.5
+        and bench.running_while_waiting(_stats("12-05 10:00:00", 0, 1, 4, 0)) is None
+    )
+
+
+def test_vllms_logged_concurrency() -> None:
+    log = (
+        "(EngineCore pid=9) INFO 12-07 10:00:00 [kv_cache_utils.py:1297] GPU KV cache size: 51,712 tokens\n"
+        "(EngineCore pid=9) INFO 12-07 10:00:00 [kv_cache_utils.py:1302] Maximum concurrency for 1,536 tokens per "
+        "request: 25.19x\n"
+    )
+    assert bench.logged_concurrency(log) == 25.19 and bench.logged_concurrency("") is None
 
 
 @pytest.mark.parametrize("avx512", [True, False])

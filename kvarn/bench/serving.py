@@ -17,7 +17,10 @@ from ``/metrics`` (``vllm:num_preemptions``). Workloads (the letters of issue 31
 - ``burst-long`` (b): the same with 1,024 output tokens;
 - ``shared-prefix`` (c): 48 requests, all at once, sharing one 2,048-token prefix (``--prefix-len``)
   with distinct random suffixes up to 3,000 tokens (vLLM's ``prefix_repetition`` dataset);
-- ``one-at-a-time`` (d): 8 requests (``--latency-prompts``), one at a time: latency.
+- ``one-at-a-time`` (d): 8 requests (``--latency-prompts``), one at a time: latency;
+- ``chat`` (e): 48 requests of 1,024 + 256 tokens, all at once; ``chat-short`` (f): 64 of 512 + 128:
+  chat-shaped requests, where a request's tail weighs most beside its tiles (run them with a KV
+  memory in which the 16-bit default holds about a fifth: ``--kv-gib 0.25`` and ``0.125``).
 
 ``--num-prompts``, ``--input-len`` and ``--output-len`` scale every workload (a 2-core CPU runs the
 full sizes for hours). Models (``--model``): ``smollm2-135m`` (the embedded SmolLM2, bf16 folder of
@@ -36,10 +39,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -54,6 +55,15 @@ from pathlib import Path
 from typing import Any
 
 from kvarn.bench.doc_section import ROOT, commit, machine, measuring_args, utc_stamp, write_section
+from kvarn.bench.vllm_log import (
+    LOG_PHASES,
+    kv_tokens_from_log,
+    logged_concurrency,
+    peak_running,
+    phases,
+    preemptions_from_metrics,
+    running_while_waiting,
+)
 from kvarn.models import BENCH_MODELS, model_folder
 from kvarn.testing.serve import VLLM, stop_group, vllm_server
 
@@ -97,6 +107,8 @@ WORKLOADS: dict[str, Workload] = {
         Workload("burst-long", "b", 48, 3000, 1024, seed=2),
         Workload("shared-prefix", "c", 48, 3000, 256, prefix_len=2048, seed=3),
         Workload("one-at-a-time", "d", 8, 3000, 256, concurrency=1, seed=4),
+        Workload("chat", "e", 48, 1024, 256, seed=5),
+        Workload("chat-short", "f", 64, 512, 128, seed=6),
     )
 }
 
@@ -170,80 +182,6 @@ def parse_result(data: dict[str, Any]) -> dict[str, Any]:
     if data.get("failed"):
         raise ValueError(f"{data['failed']} of {data['completed'] + data['failed']} requests failed")
     return {k: data[v] for k, v in keys.items()}
-
-
-KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
-RUNNING = re.compile(r"Running: (\d+) reqs")
-STATS = re.compile(
-    r"(\d\d-\d\d \d\d:\d\d:\d\d)\D.*?Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: "
-    r"([\d.]+) tokens/s, Running: (\d+) reqs, Waiting: (\d+) reqs"
-)
-
-
-def kv_tokens_from_log(log: str) -> int | None:
-    """The KV capacity vLLM logged (``KV cache size: 45,656 tokens``; the last one), or None."""
-    found = KV_TOKENS.findall(log)
-    return int(found[-1].replace(",", "")) if found else None
-
-
-def peak_running(log: str) -> int | None:
-    """The most requests vLLM's periodic stats lines (``Running: 15 reqs``) show running, or None."""
-    found = RUNNING.findall(log)
-    return max(int(n) for n in found) if found else None
-
-
-LOG_PHASES = ("prompt_phase_s", "gen_after_prompts", "decode_only_tok_per_s", "decode_only_running")
-
-
-def phases(log: str) -> dict[str, float | None]:
-    """Where a run's time went, from vLLM's stats lines (one per 10 s: the prompt and generation
-    tokens/s of the window it closes, the requests running and waiting), all None without them:
-
-    - ``prompt_phase_s``: from the start of the window (10 s) of the first line with a request
-      running or waiting to the last line with prompt tokens (vLLM counts a prompt when its prefill
-      ends): how long until every prompt was prefilled;
-    - ``gen_after_prompts``: tokens generated after that line (each window's rate x its length);
-    - ``decode_only_tok_per_s`` and ``decode_only_running``: the medians of generation tokens/s and
-      running requests over the windows after it with none waiting and at least 80% of the most
-      requests such windows show running: decode speed at the batch the cache holds.
-    """
-    none: dict[str, float | None] = dict.fromkeys(LOG_PHASES)
-    lines = STATS.findall(log)
-    seconds: list[float] = []
-    for stamp, *_ in lines:  # vLLM prints no year: a step back in time is a new year
-        s = (
-            datetime.datetime.strptime("2001-" + stamp, "%Y-%m-%d %H:%M:%S") - datetime.datetime(2001, 1, 1)
-        ).total_seconds()
-        while seconds and s < seconds[-1]:
-            s += 365 * 86400
-        seconds.append(s)
-    w = [(t, float(p), float(g), int(r), int(q)) for t, (_, p, g, r, q) in zip(seconds, lines, strict=True)]
-    busy = [i for i, x in enumerate(w) if x[3] or x[4]]  # requests running or waiting
-    prompts = [i for i, x in enumerate(w) if x[1] > 0]
-    if not busy or not prompts:
-        return none
-    first, last = busy[0], prompts[-1]
-    out = dict(none)
-    out["prompt_phase_s"] = w[last][0] - w[first][0] + 10.0  # vLLM skips lines while idle: not the line before
-    out["gen_after_prompts"] = round(sum(w[i][2] * (w[i][0] - w[i - 1][0]) for i in range(last + 1, len(w))))
-    decode = [x for x in w[last + 1 :] if x[4] == 0 and x[2] > 0]
-    if decode:
-        top = max(x[3] for x in decode)
-        held = [x for x in decode if x[3] >= 0.8 * top]
-        out["decode_only_tok_per_s"] = statistics.median(x[2] for x in held)
-        out["decode_only_running"] = statistics.median(x[3] for x in held)
-    return out
-
-
-def preemptions_from_metrics(text: str) -> int:
-    """``vllm:num_preemptions`` summed over engines, from Prometheus text (the counter's ``_total``
-    sample; ``_created`` timestamps ignored)."""
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(r"vllm:num_preemptions(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
-        if m:
-            total += float(m.group(1))
-    return int(total)
 
 
 def run_order(caches: list[str], repeats: int) -> list[tuple[int, str]]:
@@ -339,6 +277,8 @@ def run(
                         "prefix_len": w.prefix_len, "max_concurrency": w.max_concurrency,
                         **parse_result(json.loads((logs / name).read_text())),
                         "kv_gib": gib, "kv_tokens": kv_tokens_from_log(log), "peak_running": peak_running(log[offset:]),
+                        "running_while_waiting": running_while_waiting(log[offset:]),
+                        "logged_concurrency": logged_concurrency(log),
                         **{f"log_{k}": v for k, v in phases(log[offset:]).items()},
                         "preemptions": preemptions_from_metrics(_get(f"{url}/metrics")) - before,
                         "server_start_s": round(start_s, 1),
@@ -389,6 +329,9 @@ def summarize(rows: list[dict[str, Any]], default: str = DEFAULT_CACHE) -> list[
         peaks = [r["peak_running"] for r in runs if r["peak_running"] is not None]
         s["peak_running"] = max(peaks) if peaks else None
         s["preemptions"] = max(r["preemptions"] for r in runs)
+        for k in ("running_while_waiting", "logged_concurrency"):
+            found = [r[k] for r in runs if r.get(k) is not None]
+            s[k] = statistics.median(found) if found else None
         for k in LOGGED:
             found = [r[k] for r in runs if r.get(k) is not None]
             s[k] = statistics.median(found) if found else None
@@ -396,7 +339,16 @@ def summarize(rows: list[dict[str, Any]], default: str = DEFAULT_CACHE) -> list[
     for s in out:
         base = next((b for b in out if b["kv_cache_dtype"] == default and
                      (b["model"], b["workload"]) == (s["model"], s["workload"])), None)  # fmt: skip
-        for k in ("output_tok_per_s", "req_per_s", "ttft_p50_ms", "tpot_p50_ms", "kv_tokens"):
+        for k in (
+            "output_tok_per_s",
+            "req_per_s",
+            "ttft_p50_ms",
+            "tpot_p50_ms",
+            "kv_tokens",
+            "peak_running",
+            "running_while_waiting",
+            "logged_concurrency",
+        ):
             ok = base is not None and base[k] and s[k] is not None
             s[f"{k}_vs_default"] = round(s[k] / base[k], 2) if ok else None  # type: ignore[index]
     return out
@@ -411,9 +363,10 @@ def table(summary: list[dict[str, Any]]) -> str:
     lines = [
         "| workload | requests x prompt + output | cache | runs | output tok/s | vs default | requests/s "
         "| TTFT p50 s | vs default | TTFT p99 s | TPOT p50 ms | vs default | TPOT p99 ms | KV tokens | vs default "
-        "| peak running | preemptions | prompts done s (log) | generated after (log) "
+        "| peak running | vs default | running while others wait | vs default | vLLM's max concurrency (log) "
+        "| vs default | preemptions | prompts done s (log) | generated after (log) "
         "| decode-only tok/s (log) | at running (log) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|" + "---:|" * 23,
     ]
     for s in summary:
         shape = f"{s['num_prompts']} x {s['input_len']:,} + {s['output_len']:,}"
@@ -422,13 +375,17 @@ def table(summary: list[dict[str, Any]]) -> str:
         shape += ", 1 at a time" if s["max_concurrency"] == 1 else ", all at once"
         kv = "" if s["kv_tokens"] is None else f"{s['kv_tokens']:,}"
         peak = "" if s["peak_running"] is None else str(s["peak_running"])
+        held = "" if s.get("running_while_waiting") is None else f"{s['running_while_waiting']:.0f}"
+        plan = "" if s.get("logged_concurrency") is None else f"{s['logged_concurrency']:.2f}x"
         logged = " | ".join("" if s.get(k) is None else f"{s[k]:,.0f}" for k in LOGGED)
         lines.append(
             f"| ({s['letter']}) {s['workload']} | {shape} | `{s['kv_cache_dtype']}` | {s['runs']} "
             f"| {s['output_tok_per_s']:.1f} | {_ratio(s['output_tok_per_s_vs_default'])} | {s['req_per_s']:.3f} "
             f"| {s['ttft_p50_ms'] / 1e3:.1f} | {_ratio(s['ttft_p50_ms_vs_default'])} | {s['ttft_p99_ms'] / 1e3:.1f} "
             f"| {s['tpot_p50_ms']:.0f} | {_ratio(s['tpot_p50_ms_vs_default'])} | {s['tpot_p99_ms']:.0f} "
-            f"| {kv} | {_ratio(s['kv_tokens_vs_default'])} | {peak} | {s['preemptions']} | {logged} |"
+            f"| {kv} | {_ratio(s['kv_tokens_vs_default'])} | {peak} | {_ratio(s.get('peak_running_vs_default'))} "
+            f"| {held} | {_ratio(s.get('running_while_waiting_vs_default'))} | {plan} "
+            f"| {_ratio(s.get('logged_concurrency_vs_default'))} | {s['preemptions']} | {logged} |"
         )
     return "\n".join(lines)
 
