@@ -253,7 +253,7 @@ def layer_specs(cfg: Any, name: str, base: Any, layers: int, slots: int) -> tupl
                 spec = packed_spec(base, scheme, layer_page_bytes(scheme, d, i))
                 pools += pool_bytes(scheme, heads, d, base.dtype, slots)
             if layout is not None:
-                spec = with_tail(spec, layout.blocks)
+                spec = with_tail(spec, layout, counted=True)
         specs[f"model.layers.{i}.self_attn.attn"] = spec
     return specs, pools
 
@@ -324,6 +324,7 @@ def plan(
     from vllm.v1.core import kv_cache_utils as kcu
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+    from kvarn.vllm.context import layout_for
     from kvarn.vllm.engine import tail_blocks
     from kvarn.vllm.plugin import register, resolve_dtype
 
@@ -352,8 +353,9 @@ def plan(
             }
         tokens, concurrency = kcu.get_kv_cache_capacity(cfg, config)
     with set_current_vllm_config(cfg):
-        tail = tail_blocks(cfg)
+        tail, layout = tail_blocks(cfg), layout_for(cfg)
     return {
+        "layout": layout,
         "block_size": int(cfg.cache_config.block_size),
         "num_blocks": int(config.num_blocks),
         "tail_blocks": tail,
@@ -381,6 +383,7 @@ def fit(
         folder = _fit_model_folder(model, model_dtype, layers, tmp)
         for dtype in dtypes:
             p = plan(folder, dtype, int(kv_gib * 2**30), model_dtype, max_model_len)
+            layout = p.pop("layout")
             row: dict[str, Any] = {
                 "model": model,
                 "model_dtype": model_dtype,
@@ -390,7 +393,7 @@ def fit(
             row.update(p)
             fits = {}
             for prompt, new in FIT_SIZES:
-                cost = request_blocks(prompt + new, p["block_size"], p["tail_blocks"])
+                cost = request_blocks(prompt + new, p["block_size"], layout)
                 fits[f"{prompt}+{new}" if new else str(prompt)] = {
                     "blocks": cost,
                     "fit": requests_that_fit(p["num_blocks"], cost),

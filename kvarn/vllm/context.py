@@ -232,6 +232,16 @@ def current_context() -> EngineContext:
     return next(reversed(_ENGINES.values()))[1]
 
 
+def tail_counted(vllm_config: Any) -> bool:
+    """Whether vLLM's per-request memory counts kvarn's tail blocks (:class:`kvarn.vllm.tail_spec.TailSpec`
+    ``counted``), and with it the "KV cache size" and "Maximum concurrency" vLLM logs: a kvarn model
+    whose attention layers are all full attention (no sliding-window layers beside them, not hybrid)."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    if model is None or not DTYPES.is_kvarn(cache.cache_dtype) or getattr(model, "is_hybrid", False):
+        return False
+    return "sliding_window" not in (getattr(cache, "kv_cache_dtype_skip_layers", None) or [])
+
+
 def layout_for(vllm_config: Any) -> TailLayout | None:
     """The tail layout of an engine configuration (:attr:`EngineContext.layout`); None for a dtype
     that is not kvarn's or a configuration without a model."""

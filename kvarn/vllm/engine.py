@@ -51,22 +51,32 @@ def cpu_engine(
 
 
 def kv_tokens(llm: Any) -> int:
-    """vLLM's own KV capacity in tokens: the figure it logs as ``KV cache size: N tokens``
-    (``cache_config.kv_cache_size_tokens``), how many tokens fit when every request is
-    ``max_model_len`` long, counted over all KV-cache groups.
+    """The KV capacity in tokens with no request's tail counted: the packed tokens kvarn's blocks hold.
 
-    With one KV-cache group (every layer full attention, kvarn's or vLLM's own) and ``max_model_len``
-    a multiple of the block size this is the number of blocks x the block size. A model with
-    sliding-window layers has several groups drawing on one block pool, and a request holds blocks
-    in each (its windowed layers only the window's), so the figure is smaller than blocks x block
-    size and grows with ``max_model_len``. Falls back to blocks x block size for a vLLM that does not
-    report it. It counts a kvarn request's tiles, not its tail blocks (:func:`tail_blocks`).
+    Where vLLM's per-request memory counts kvarn's tail blocks (:func:`kvarn.vllm.context.tail_counted`:
+    every attention layer full attention) it is the number of blocks x the block size. Otherwise it
+    is vLLM's own figure (:func:`logged_kv_tokens`): with one KV-cache group (the default cache, or
+    any cache of a model of full-attention layers) and ``max_model_len`` a multiple of the block size
+    that is blocks x block size too; a model with sliding-window layers has several groups drawing
+    on one block pool, and a request holds blocks in each (its windowed layers only the window's),
+    so the figure is smaller than blocks x block size and grows with ``max_model_len``.
     """
-    cfg = llm.llm_engine.vllm_config.cache_config
-    size = getattr(cfg, "kv_cache_size_tokens", None)
-    if size is not None:
-        return int(size)
-    return int(cfg.num_gpu_blocks) * int(cfg.block_size)
+    from kvarn.vllm.context import tail_counted
+
+    config = llm.llm_engine.vllm_config
+    size = logged_kv_tokens(llm)
+    if size is None or tail_counted(config):
+        return int(config.cache_config.num_gpu_blocks) * int(config.cache_config.block_size)
+    return size
+
+
+def logged_kv_tokens(llm: Any) -> int | None:
+    """vLLM's own KV capacity in tokens, the figure it logs as ``KV cache size: N tokens``
+    (``cache_config.kv_cache_size_tokens``; None for a vLLM that does not report it): how many
+    tokens fit when every request is ``max_model_len`` long, counted over all KV-cache groups, with
+    the most tail blocks such a request holds where :func:`kvarn.vllm.context.tail_counted`."""
+    size = getattr(llm.llm_engine.vllm_config.cache_config, "kv_cache_size_tokens", None)
+    return None if size is None else int(size)
 
 
 def tail_blocks(vllm_config: Any) -> int:

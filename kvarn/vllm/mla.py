@@ -41,7 +41,7 @@ from vllm.model_executor.layers.attention.mla_attention import (  # isort: skip
 
 from kvarn.codec.latent import dequantize_latent, quantize_latent, rope_dtype
 from kvarn.vllm.backend import PackedTileBackend
-from kvarn.vllm.context import EngineContext, context_of, current_context
+from kvarn.vllm.context import EngineContext, context_of, current_context, tail_counted
 from kvarn.vllm.forward import gather_full_tiles, write_rows
 from kvarn.vllm.planner import Planner, shared_planner
 from kvarn.vllm.step import StepTensors, Writes
@@ -243,7 +243,8 @@ class KvarnMLABackend(PackedTileBackend, CPUMLABackend):
         :class:`kvarn.vllm.tail.TailMLASpec`: each request holds its tail's lookahead blocks."""
         packed = super().customize_spec(spec)
         ctx = current_context()
-        return with_tail(packed, ctx.layout.blocks, ctx.vllm_config)  # type: ignore[no-any-return]
+        counted = tail_counted(ctx.vllm_config)
+        return with_tail(packed, ctx.layout, ctx.vllm_config, counted=counted)  # type: ignore[no-any-return]
 
     @classmethod
     def record_bytes(cls, ctx: EngineContext, spec: AttentionSpec) -> int:

@@ -24,7 +24,7 @@ import torch
 
 from kvarn.schemes import PresetError, UnknownSchemeError
 from kvarn.vllm import admission
-from kvarn.vllm.context import EngineContext, context_of
+from kvarn.vllm.context import EngineContext, context_of, tail_counted
 from kvarn.vllm.registry import DTYPES, is_kvarn_dtype, vllm_dtypes
 
 logger = logging.getLogger("kvarn.vllm")
@@ -274,8 +274,9 @@ def patch_attention_kv_cache_spec(attention: Any) -> None:
             spec = self.impl.layer_spec(spec, self.layer_name)
             if shared is not None and shared > spec.page_size_bytes:
                 spec = dataclasses.replace(spec, page_size_padded=shared)
-        layout = context_of(vllm_config).layout if vllm_config.model_config is not None else None
-        return spec if layout is None else with_tail(spec, layout.blocks, vllm_config)
+        if vllm_config.model_config is None:
+            return spec
+        return with_tail(spec, context_of(vllm_config).layout, vllm_config, counted=tail_counted(vllm_config))
 
     attention.get_kv_cache_spec = get_kv_cache_spec
 

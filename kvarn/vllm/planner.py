@@ -94,11 +94,13 @@ class Planner(Generic[StepT]):
 
     def plan_requests(self, m: CommonAttentionMetadata) -> tuple[list[RequestPlan], bool]:
         """The tail (and sink) plans of one step's requests, and whether it is a decode step."""
-        n, t = m.num_reqs, self.scheme.group_size
+        n = m.num_reqs
         qsl = m.query_start_loc_cpu[: n + 1].tolist()
         seq_lens = m.seq_lens[:n].cpu().tolist()
         host = m.block_table_tensor[:n].cpu()
-        rows = [host[i, : (s + t - 1) // t + self.layout.blocks].tolist() for i, s in enumerate(seq_lens)]
+        rows = [
+            host[i, : self.layout.step_blocks(s - (qsl[i + 1] - qsl[i]), s)].tolist() for i, s in enumerate(seq_lens)
+        ]
         decode = all(b - a == 1 for a, b in zip(qsl, qsl[1:], strict=False))
         plans, self.moves = plan_tails(qsl, seq_lens, rows, self.layout, m.block_table_tensor.device)
         if self.sinks is not None:

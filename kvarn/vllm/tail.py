@@ -11,19 +11,28 @@ no pool is sized by ``max_num_seqs``, and the KV capacity vLLM reports is the pa
 :func:`kvarn.vllm.tail_cost.describe`, gives what a request holds with its tail).
 
 Layout (:class:`TailLayout`): a page holds, per KV head, ``rows_per_page`` rows of keys then values
-in the model dtype (``[rows_per_page, 2, D]``). Row ``r`` of tile ``j`` sits at linear index
-``x = L * rows_per_page - 1 - r`` of the ``L`` pages after block ``j``: page ``j + 1 + x //
-rows_per_page``, row ``x % rows_per_page``. Filling backwards keeps a tile's rows intact while the
-next tile writes its first ``rows_per_page - 1`` rows (their pages differ), so a step whose draft
-tokens are rejected (speculative decoding rolls a request back into a tile it completed) still
-finds the rows of that tile; rows the next tile writes later overwrite them, and by then no
-rollback can reach them. The packed record of tile ``j`` goes into block ``j`` itself, which then
-holds no row anyone reads.
+in the model dtype (``[rows_per_page, 2, D]``). Two orders, one per engine:
 
-A running request costs ``L`` blocks beyond its tiles (``L * T`` tokens of packed capacity), only
-while it runs: ``L = ceil(T / rows_per_page)``, e.g. 5 for ``kvarn_k4v2_g128`` at head_dim 64 or
-128 in bfloat16. The rows of the smallest page of the model's kvarn layers set ``rows_per_page``
-for all of them.
+- *forward* (no speculative decoding): row ``r`` of tile ``j`` sits in page ``j + r //
+  rows_per_page`` of the request's block table, row ``r % rows_per_page``. The partial tile's own
+  block holds its first rows until the tile fills and its packed record replaces them (they are read
+  into the step's scratch tile first), and the next tile starts in the block after it. A request
+  holds ``j + ceil(rows / rows_per_page)`` blocks: the tail blocks follow the rows, and the manager
+  allocates them as the request's tokens grow (:meth:`TailLayout.table_blocks`).
+- *backward* (speculative decoding, which rolls a request back into a tile it completed): row ``r``
+  of tile ``j`` sits at linear index ``x = L * rows_per_page - 1 - r`` of the ``L`` pages after
+  block ``j``: page ``j + 1 + x // rows_per_page``, row ``x % rows_per_page``. Filling backwards keeps
+  a tile's rows intact while the next tile writes its first ``rows_per_page - 1`` rows (their pages
+  differ), so a step whose draft tokens are rejected still finds the rows of that tile; rows the
+  next tile writes later overwrite them, and by then no rollback can reach them. The packed record
+  of tile ``j`` goes into block ``j`` itself, which then holds no row anyone reads. A request holds
+  ``L`` blocks beyond its tiles from its first step.
+
+``L = ceil(T / rows_per_page)`` is the most tail blocks a request holds, e.g. 5 for
+``kvarn_k4v2_g128`` at head_dim 64 or 128 in bfloat16; with the forward order a request past its
+first tile holds at most ``L - 1`` blocks beyond its complete tiles and the block of its partial one
+(:meth:`TailLayout.peak_blocks`). The rows of the smallest page of the model's kvarn layers set
+``rows_per_page`` for all of them.
 
 The same layout serves the two other page kinds. An MLA layer's page is one latent record
 (:mod:`kvarn.vllm.mla`): one "head", rows of one vector (the latent and RoPE key, ``vectors=1``).
@@ -52,9 +61,10 @@ class TailLayout:
     """Where the 16-bit rows of a partial tile live (see the module docstring).
 
     ``group_size``: tokens per tile (``T``); ``rows_per_page``: rows per page and KV head;
-    ``blocks``: lookahead blocks per request (``L``, one-tile kernel blocks); ``head_dim`` and
+    ``blocks``: the most tail blocks a request holds (``L``, one-tile kernel blocks); ``head_dim`` and
     ``dtype``: of the rows (keys then values of one KV head, the model dtype); ``vectors``: vectors
-    of ``head_dim`` per row (2: a key and a value; 1: an MLA latent row).
+    of ``head_dim`` per row (2: a key and a value; 1: an MLA latent row); ``forward``: the forward
+    order (no rollback), else the backward one.
     """
 
     group_size: int
@@ -63,6 +73,7 @@ class TailLayout:
     head_dim: int
     dtype: torch.dtype
     vectors: int = 2
+    forward: bool = False
 
     @property
     def row_bytes(self) -> int:
@@ -71,8 +82,34 @@ class TailLayout:
 
     def address(self, tile: int, row: int) -> tuple[int, int]:
         """``(index into the request's block row, row within that page)`` of row ``row`` of ``tile``."""
+        if self.forward:
+            return tile + row // self.rows_per_page, row % self.rows_per_page
         x = self.blocks * self.rows_per_page - 1 - row
         return tile + 1 + x // self.rows_per_page, x % self.rows_per_page
+
+    def table_blocks(self, tokens: int) -> int:
+        """Kernel blocks a request of ``tokens`` tokens needs in its block table: its complete tiles
+        and the pages of its partial tile's rows (forward), or every tile it touches and ``L`` (backward)."""
+        if tokens <= 0:
+            return 0
+        full, rows = divmod(tokens, self.group_size)
+        if self.forward:
+            return full + -(-rows // self.rows_per_page)
+        return full + (rows > 0) + self.blocks
+
+    def step_blocks(self, ctx: int, seq_len: int) -> int:
+        """Kernel blocks of its table a step that takes a request from ``ctx`` to ``seq_len`` tokens reads
+        or writes: a step that fills the partial tile still loads its rows from the blocks after it."""
+        return max(self.table_blocks(ctx), self.table_blocks(seq_len))
+
+    def peak_blocks(self, tokens: int) -> int:
+        """The most kernel blocks a request holds on its way to ``tokens`` tokens: vLLM never shrinks a
+        running request's block table, so a request past a tile boundary keeps the blocks its last
+        partial tile needed (forward: ``tokens // T - 1 + L`` after the first tile)."""
+        full = tokens // self.group_size
+        if self.forward and full:
+            return max(self.table_blocks(tokens), full - 1 + self.blocks)
+        return self.table_blocks(tokens)
 
 
 def tail_layout(
@@ -107,7 +144,8 @@ def page_layout(
             f"{head_dim} in {dtype}; the tail needs more than the {max_rollback} speculative tokens per step. "
             "Use fewer speculative tokens or a scheme with more bits."
         )
-    return TailLayout(scheme.group_size, rows, math.ceil(scheme.group_size / rows), head_dim, dtype, vectors)
+    blocks = math.ceil(scheme.group_size / rows)
+    return TailLayout(scheme.group_size, rows, blocks, head_dim, dtype, vectors, forward=max_rollback == 0)
 
 
 @dataclass
@@ -140,8 +178,9 @@ def plan_tails(
         layout: where the rows live.
         device: where the moves' tensors go.
 
-    A request's rows are saved from the first row of its last tile, or of the tile before when the
-    last one holds fewer than ``rows_per_page`` rows (a rollback may return to it).
+    In the forward order a request saves the rows of its partial tile only. In the backward order it
+    saves from the first row of its last tile, full or not, or of the tile before when the last one
+    holds fewer than ``rows_per_page`` rows (a rollback may return to them).
     """
     t, rpp = layout.group_size, layout.rows_per_page
     plans: list[RequestPlan] = []
@@ -152,10 +191,10 @@ def plan_tails(
         q0, q_len = query_start[i], query_start[i + 1] - query_start[i]
         full = block_rows[i]
         p = RequestPlan(q0, q_len, seq_len - q_len, full[: (seq_len + t - 1) // t])
-        if q_len and len(full) < len(p.row) + layout.blocks:
+        if q_len and len(full) < (need := layout.step_blocks(seq_len - q_len, seq_len)):
             raise RuntimeError(
-                f"kvarn: request {i}'s block table has {len(full)} entries; its {len(p.row)} tiles and "
-                f"{layout.blocks} tail blocks need more (vLLM did not size it by kvarn's TailSpec)"
+                f"kvarn: request {i}'s block table has {len(full)} entries; its {seq_len} tokens need "
+                f"{need} with their tail (vLLM did not size it by kvarn's TailSpec)"
             )
         p.dummy = q_len == 0 or not p.row or 0 in p.row
         plans.append(p)
@@ -173,7 +212,9 @@ def plan_tails(
         if seq_len % t and not (seq_len // t == first and staged):
             p.new_slot, slots = slots, slots + 1
         last = (seq_len - 1) // t
-        lo = last * t if seq_len - last * t >= rpp else max(last - 1, 0) * t
+        # forward: the partial tile's rows only (a full tile's first rows share its record's block)
+        backward = last * t if seq_len - last * t >= rpp else max(last - 1, 0) * t
+        lo = seq_len // t * t if layout.forward else backward
         for pos in range(max(p.ctx, lo), seq_len):
             k, off = layout.address(pos // t, pos % t)
             saves[0].append(q0 + pos - p.ctx)

@@ -82,15 +82,23 @@ def test_publish_names_kernel_blocks_of_a_hybrid_model() -> None:
         assert published.first == {3 * (stride or 5)}
 
 
-def test_kv_tokens_is_vllms_group_aware_capacity() -> None:
+def test_kv_tokens_is_vllms_group_aware_capacity_or_the_packed_tokens() -> None:
     """vLLM's own figure (``kv_cache_size_tokens``), not blocks x block size, which overstates the
-    capacity when sliding-window groups draw on the same block pool."""
-    from kvarn.vllm.engine import kv_tokens
+    capacity when sliding-window groups draw on the same block pool; where vLLM's figure counts kvarn's
+    tails (a kvarn model of full-attention layers only), blocks x block size: the packed tokens."""
+    from kvarn.vllm.engine import kv_tokens, logged_kv_tokens
 
-    def llm(**cache: Any) -> Any:
-        return SimpleNamespace(
-            llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(cache_config=SimpleNamespace(**cache)))
+    def llm(dtype: str = "auto", skip: tuple[str, ...] = (), **cache: Any) -> Any:
+        config = SimpleNamespace(
+            cache_config=SimpleNamespace(cache_dtype=dtype, kv_cache_dtype_skip_layers=list(skip), **cache),
+            model_config=SimpleNamespace(is_hybrid=False),
         )
+        return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config))
 
     assert kv_tokens(llm(num_gpu_blocks=1000, block_size=128, kv_cache_size_tokens=40_000)) == 40_000
     assert kv_tokens(llm(num_gpu_blocks=1000, block_size=128, kv_cache_size_tokens=None)) == 128_000
+    kvarn = llm("kvarn_k4v2_g128", num_gpu_blocks=1000, block_size=128, kv_cache_size_tokens=120_000)
+    assert kv_tokens(kvarn) == 128_000 and logged_kv_tokens(kvarn) == 120_000
+    windowed = llm("kvarn_k4v2_g128", ("sliding_window",), num_gpu_blocks=1000, block_size=128,
+                   kv_cache_size_tokens=40_000)  # fmt: skip
+    assert kv_tokens(windowed) == logged_kv_tokens(windowed) == 40_000

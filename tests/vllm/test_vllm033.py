@@ -556,7 +556,10 @@ def check_tail_spec(tmp: Path) -> Any:
     from kvarn.vllm.tail_spec import with_tail
 
     register()
-    spec = with_tail(FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16), 5)
+    from kvarn.vllm.tail import TailLayout
+
+    layout = TailLayout(128, 28, 5, 64, torch.bfloat16)
+    spec = with_tail(FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16), layout)
     manager = KVCacheSpecRegistry.get_manager_class(spec)
     assert manager is not None
     config = SimpleNamespace(parallel_config=SimpleNamespace(decode_context_parallel_size=1))
