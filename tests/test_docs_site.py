@@ -59,3 +59,19 @@ def test_guide_page_names_no_issue(page: Path) -> None:
     text = page.read_text(encoding="utf-8")
     hits = [f"{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1) if ISSUE_REF.search(line)]
     assert not hits, f"{page.name} refers to issues a user cannot look up:\n" + "\n".join(hits)
+
+
+def test_guide_preset_table_matches_the_builtins() -> None:
+    """The table in guide/presets.md is every built-in, with the sizes ``Scheme`` computes."""
+    from kvarn.schemes import BUILTINS
+
+    text = (GUIDE / "presets.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(kvarn_\w+)` \| (.+) \|$", text, re.MULTILINE)
+    assert {name for name, _ in rows} == set(BUILTINS), rows
+    for name, rest in rows:
+        s = BUILTINS[name]
+        k, v, tile, scales, at64, at128 = (c.strip() for c in rest.split("|"))
+        assert (int(k), int(v), int(tile), scales) == (s.key_bits, s.value_bits, s.group_size, s.scale_dtype), name
+        for cell, head_dim in ((at64, 64), (at128, 128)):
+            bits = s.bits_per_element(head_dim=head_dim)
+            assert cell == f"{bits:.4f}".rstrip("0").rstrip(".") + f" ({16 / bits:.2f}x)", (name, head_dim, cell)
