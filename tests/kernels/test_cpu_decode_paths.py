@@ -1,10 +1,15 @@
-"""The native decode kernel's 8-lane fallback (built without AVX-512) against its 16-lane AVX-512
-path: both within the CPU ops' tolerance of the float reference, and close to each other, for every
-code width, fp16 and log8 parameters, sinks, rotations, head_dim 64..256 and 1..8 query heads per
-KV head. Skipped where there is no compiler or the machine lacks AVX-512 (then the default build is
-already the fallback, which tests/kernels/test_cpu.py covers)."""
+"""The native decode kernel's paths against each other: the 8-lane fallback (built without AVX-512)
+and the 16-lane AVX-512 float path (built without AMX) against the default build (AMX-INT8 key
+scores where the CPU has them): each within the CPU ops' tolerance of the float reference, and
+close to the others, for every code width, fp16 and log8 parameters, sinks, rotations, head_dim
+64..256 and 1..8 query heads per KV head. Skipped where there is no compiler or the machine lacks
+AVX-512 / AMX-INT8 (then the default build is that fallback, which tests/kernels/test_cpu.py covers)."""
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -13,11 +18,27 @@ from kvarn.kernels import PagedContext
 from kvarn.kernels.cpu import native
 from kvarn.kernels.cpu import ops as cpu
 
-from ._fallback_build import fallback, needs_avx512
+from ._fallback_build import HAS_COMPILER, fallback, needs_avx512
 from ._reference import attention, paged_batch, sqnr_db
 from .test_cpu import MIN_SQNR_DB, scheme, staging
 
 pytestmark = needs_avx512
+
+
+def _has_amx_int8() -> bool:
+    try:
+        return " amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+needs_amx = pytest.mark.skipif(not (HAS_COMPILER and _has_amx_int8()), reason="needs g++ and an AMX-INT8 CPU")
+
+
+@functools.lru_cache(maxsize=1)
+def without_amx() -> ModuleType:
+    """The extension built without AMX (the AVX-512 float paths)."""
+    return native._build((*native.FLAGS, *native.NATIVE_FLAGS, "-mno-amx-tile", "-mno-amx-int8"))
 
 
 CASES = [  # (scheme, sink_tokens, head_dim, query heads per KV head)
@@ -48,3 +69,31 @@ def test_fallback_and_avx512_paths_agree(
     narrow = cpu.decode_attention(q, ctx, impl="native")
     assert sqnr_db(ref, wide) >= MIN_SQNR_DB and sqnr_db(ref, narrow) >= MIN_SQNR_DB
     torch.testing.assert_close(wide, narrow, atol=1e-5, rtol=1e-4)
+
+
+def _case(name: str, sink_tokens: int, d: int, group: int) -> tuple[torch.Tensor, PagedContext, torch.Tensor]:
+    sc = scheme(name, sink_tokens)
+    t = sc.group_size
+    lens = [9 * t + 5, 3, 2 * t, 17 * t + t - 1]
+    pb = paged_batch(sc, lens, 2, d, seed=7)
+    a = staging(sc, pb, True, seed=7)
+    q = torch.randn(len(lens), 2 * group, d, generator=torch.Generator().manual_seed(7))
+    ctx = PagedContext(pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, **a.kwargs)  # type: ignore[arg-type]
+    ref = torch.cat([attention(q[b : b + 1], pb.context_k[b], pb.context_v[b]) for b in range(len(lens))])
+    return q, ctx, ref
+
+
+@needs_amx
+@pytest.mark.parametrize(("name", "sink_tokens", "d", "group"), [*CASES, ("kvarn_k4v2_g128", 0, 64, 7)])
+def test_amx_and_float_paths_agree(
+    name: str, sink_tokens: int, d: int, group: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The AMX key scores (query rounded to 24 bits, exact integer sums) against the float path; 7
+    query heads take two tile products (5 heads each)."""
+    q, ctx, ref = _case(name, sink_tokens, d, group)
+    amx = cpu.decode_attention(q, ctx, impl="native")
+    monkeypatch.setattr(native, "extension", without_amx)
+    plain = cpu.decode_attention(q, ctx, impl="native")
+    assert sqnr_db(ref, amx) >= MIN_SQNR_DB and sqnr_db(ref, plain) >= MIN_SQNR_DB
+    torch.testing.assert_close(amx, plain, atol=1e-5, rtol=1e-4)
+    assert not torch.equal(amx, plain)  # the default build did take another path

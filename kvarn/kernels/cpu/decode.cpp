@@ -5,15 +5,32 @@
 // heads (acc_r += vf * ((p * vs) @ codes + p . vo)); one more task per (sequence, KV head) attends the
 // exact rows (sink, tail) with the unrotated query. A second parallel loop merges the partial
 // softmax states in a fixed order, un-rotates the tile part and writes the output in the query's dtype.
+// Paths by what the build targets: AMX-INT8 key scores (where Linux also grants the tile state) with
+// AVX-512 float for the rest; AVX-512 float throughout; 8-lane AVX2 (attend.h) without AVX-512.
 #include "kernels.h"
 #include "attend.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define KVARN_AMX 1  // the tile loop's AMX-INT8 key scores, where Linux grants the tile state
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 using Args = kvarn::DecodeArgs;
 
 namespace {
+
+constexpr int HEADS_AMX = 5;  // query heads a tile product (KVARN_AMX): 3 rows (digits) each, of 16
+
+// the AMX key path's buffers (64-byte aligned, in a thread's Scratch); a group is HEADS_AMX query heads
+struct AmxBuffers {
+  int8_t* qa;     // query digits [groups, L / 64, 16, 64]
+  uint8_t* bt;    // code tiles [T / 16, L / 64, 16, 64]
+  int32_t* cbuf;  // tiles of sums [groups, T / 16, 16, 16]
+  float* kstep;   // [G]
+};
 
 int thread_index() {
 #ifdef _OPENMP
@@ -29,6 +46,8 @@ struct Scratch {
   std::vector<float> m, l, acc, q, qr;  // a task's softmax state and query
   std::vector<v8f> red;
   std::vector<int32_t> kidx, vidx;
+  std::vector<uint8_t> amx_bytes;  // AmxBuffers' storage
+  AmxBuffers amx{};
   void fit(int64_t G, int64_t T, int64_t D, int64_t KB, int64_t VB) {
     const int64_t L = 2 * D;  // at most two planes
     rows.resize(std::max<int64_t>(ROWS * L, D)); qs.resize(G * L); qp.resize(G * L); c.resize(G); s.resize(G * T);
@@ -38,6 +57,14 @@ struct Scratch {
     red.resize(4 * 8); kidx.resize(L); vidx.resize(L);
     plane_channels_any(KB, D, kidx.data());
     plane_channels_any(VB, D, vidx.data());
+#if defined(KVARN_AMX)
+    const int64_t groups = (G + HEADS_AMX - 1) / HEADS_AMX, blk = 16 * 64;  // L: the key planes' positions
+    const int64_t qa = groups * (L / 64) * blk, bt = T / 16 * (L / 64) * blk, cb = groups * (T / 16) * blk;
+    amx_bytes.assign(qa + bt + cb + 4 * G + 64, 0);  // zeros: the query tiles' unused rows
+    uint8_t* base = amx_bytes.data() + (64 - reinterpret_cast<uintptr_t>(amx_bytes.data()) % 64) % 64;
+    amx.qa = reinterpret_cast<int8_t*>(base); amx.bt = base + qa;
+    amx.cbuf = reinterpret_cast<int32_t*>(base + qa + bt); amx.kstep = reinterpret_cast<float*>(base + qa + bt + cb);
+#endif
   }
 };
 
@@ -273,6 +300,131 @@ inline void values16(const uint8_t* plane, int64_t T, int64_t n, int shift, cons
   }
 }
 
+#if defined(KVARN_AMX)
+// AMX-INT8 key scores: one TDPBSUD multiplies a 16 x 64 tile of signed bytes (query digits) by a
+// 64 x 16 tile of unsigned bytes (the codes of 16 rows, exact) into 16 x 16 int32 sums, so a tile's
+// scores for up to 5 query heads are T / 16 tile products per 64 plane positions. The query times the
+// key scales (qs, plane order) is rounded to 24-bit integers, qs ~ step * qi with step = max|qs| /
+// QMAX per tile and head, written as three signed base-256 digits (one tile row each) whose exact
+// sums are added in float: the only error is that rounding, |qs - step * qi| <= step / 2, 2**-24 of
+// the head's largest |qs|. (Two digits, 16 bits, put outputs up to 1e-4 off the float path.)
+constexpr float QMAX = 8355700.f;  // just under 127 * 65793: qi = 65536 hi + 256 mid + lo, digits in -128..127
+
+// whether Linux lets this process use the tile registers (asked once; false: the float path)
+bool amx_usable() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+// tile registers of 16 rows of 64 bytes: 0, 5 sums, 1 query digits, 2, 6 codes
+inline void configure_tiles() {
+  struct alignas(64) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg{};
+  cfg.palette = 1;
+  for (int i = 0; i < 7; ++i) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+  _tile_loadconfig(&cfg);
+}
+
+// the sum of three digit rows of int32 sums (16 lanes each), as floats
+inline __m512 digits_sum(const int32_t* c) {
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_load_si512(c)), mid = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16));
+  return _mm512_add_ps(_mm512_fmadd_ps(hi, _mm512_set1_ps(65536.f), _mm512_mul_ps(mid, _mm512_set1_ps(256.f))),
+                       _mm512_cvtepi32_ps(_mm512_load_si512(c + 32)));
+}
+
+// Query digits qa[((hg * chunks + c) * 16 + 3 * k + d) * 64 + x] (signed; d = 0 hi, 1 mid, 2 lo) of head
+// 5 hg + k at plane position 64 c + x, and each head's step; false when a product is not finite or
+// too small to scale (the float path then takes the tile). Rows past 3 heads' digits stay zero.
+inline bool query_digits(const float* qs, int64_t L, int64_t G, int8_t* qa, float* step) {
+  const int64_t chunks = L / 64;
+  const __m512 inf = _mm512_set1_ps(INFINITY);
+  const __m512i half = _mm512_set1_epi32(128), low = _mm512_set1_epi32(255);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* q = qs + g * L;
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int64_t x = 0; x < L; x += 16) {
+      const __m512 v = _mm512_abs_ps(ld16(q + x));
+      bad |= _mm512_cmp_ps_mask(v, inf, _CMP_NLT_UQ);  // inf or NaN
+      amax = _mm512_max_ps(amax, v);
+    }
+    const float mx = _mm512_reduce_max_ps(amax), inv = mx > 0.f ? QMAX / mx : 0.f;
+    if (bad || !(inv < INFINITY)) return false;
+    step[g] = mx / QMAX;
+    int8_t* rows = qa + ((g / HEADS_AMX) * chunks * 16 + 3 * (g % HEADS_AMX)) * 64;
+    for (int64_t x = 0; x < L; x += 16) {
+      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(ld16(q + x), _mm512_set1_ps(inv)));
+      const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(qi, half), low), half);
+      const __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(qi, lo), 8);
+      const __m512i mid = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, half), low), half);
+      const __m512i hi = _mm512_srai_epi32(_mm512_sub_epi32(r, mid), 8);
+      int8_t* dst = rows + (x / 64) * 16 * 64 + x % 64;
+      _mm_store_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(hi));
+      _mm_store_si128(reinterpret_cast<__m128i*>(dst + 64), _mm512_cvtepi32_epi8(mid));
+      _mm_store_si128(reinterpret_cast<__m128i*>(dst + 128), _mm512_cvtepi32_epi8(lo));
+    }
+  }
+  return true;
+}
+
+// s[g * T + t] = step[g] * sum_x qi[g][x] * codes[t][x] for every head. The codes of each 16 rows are
+// 64 x 16 byte tiles, one per 64 plane positions (tile row r: positions 4r..4r+3 of each of the 16
+// rows), from one gather per 4 bytes of packed row; all tiles are written before the first product
+// and all products stored before the first sum is read, two products in flight (tiles 0 and 5).
+template <int BITS>
+inline void scores_amx(const uint8_t* sec, int64_t T, int64_t D, const int8_t* qa, int64_t G, const float* step,
+                       uint8_t* bt, int32_t* cbuf, float* s) {
+  const int64_t L = Planes<BITS>::N * D, chunks = L / 64, blocks = T / 16;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* plane = sec;
+    uint8_t* tile = bt + b * chunks * 16 * 64;
+    int64_t row = 0;
+    for (int k = 0; k < Planes<BITS>::N; ++k) {
+      const int w = Planes<BITS>::W[k], shift = Planes<BITS>::SHIFT[k];
+      const int64_t n = D * w / 8, P = 8 / w;
+      const __m512i mask = _mm512_set1_epi8((char)((1 << w) - 1));
+      const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32((int)(n / 4)));
+      for (int64_t m = 0; m < n / 4; ++m) {
+        const __m512i x = _mm512_i32gather_epi32(index, plane + 16 * b * n + 4 * m, 4);
+        for (int64_t j = 0; j < P; ++j) {
+          const __m512i c = w == 8 ? x : _mm512_and_si512(j ? _mm512_srli_epi16(x, (int)(j * w)) : x, mask);
+          _mm512_store_si512(tile + (row + j * n / 4 + m) * 64, shift ? _mm512_slli_epi16(c, shift) : c);
+        }
+      }
+      row += D / 4;
+      plane += T * n;
+    }
+  }
+  for (int64_t g0 = 0; g0 < G; g0 += HEADS_AMX) {
+    const int8_t* q = qa + (g0 / HEADS_AMX) * chunks * 16 * 64;
+    int32_t* sums = cbuf + (g0 / HEADS_AMX) * blocks * 256;
+    for (int64_t b = 0; b < blocks; b += 2) {
+      _tile_zero(0);
+      _tile_zero(5);
+      for (int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(1, q + c * 16 * 64, 64);
+        _tile_loadd(2, bt + (b * chunks + c) * 16 * 64, 64);
+        _tile_loadd(6, bt + ((b + 1) * chunks + c) * 16 * 64, 64);
+        _tile_dpbsud(0, 1, 2);
+        _tile_dpbsud(5, 1, 6);
+      }
+      _tile_stored(0, sums + b * 256, 64);
+      _tile_stored(5, sums + (b + 1) * 256, 64);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const int32_t* sums = cbuf + (g / HEADS_AMX) * blocks * 256 + 3 * (g % HEADS_AMX) * 16;
+    for (int64_t b = 0; b < blocks; ++b)
+      st16(s + g * T + 16 * b, _mm512_mul_ps(digits_sum(sums + b * 256), _mm512_set1_ps(step[g])));
+  }
+}
+
+#endif  // KVARN_AMX
+
 template <int BITS>
 inline void packed_values16(const uint8_t* sec, int64_t T, int64_t D, const float* p, int64_t ld, int64_t G, float* out) {
   const int64_t L = Planes<BITS>::N * D;
@@ -325,13 +477,51 @@ inline bool softmax16(float* s, int64_t G, int64_t n, int64_t ld, int64_t L, flo
   }
   return any;
 }
+
+// s[g * ld + t] = sum_x q[g * D + x] * rows[t * D + x] for float rows t < R (a multiple of 16) and
+// query heads g0..g0+NG-1, 16 rows reduced at once (hsum16)
+template <int NG>
+inline void row_scores16(const float* rows, const float* q, int64_t R, int64_t D, int64_t g0, float* s, int64_t ld,
+                         float* red) {
+  const float* q0 = q + g0 * D;
+  for (int64_t t16 = 0; t16 < R; t16 += 16) {
+    for (int r = 0; r < 16; ++r) {
+      __m512 acc[NG];
+      for (int k = 0; k < NG; ++k) acc[k] = _mm512_setzero_ps();
+      const float* row = rows + (t16 + r) * D;
+      for (int64_t x = 0; x < D; x += 16) {
+        const __m512 v = ld16(row + x);
+        for (int k = 0; k < NG; ++k) acc[k] = _mm512_fmadd_ps(v, ld16(q0 + k * D + x), acc[k]);
+      }
+      for (int k = 0; k < NG; ++k) st16(red + (k * 16 + hsum_slot(r)) * 16, acc[k]);
+    }
+    for (int k = 0; k < NG; ++k) st16(s + (g0 + k) * ld + t16, hsum16(red + k * 256));
+  }
+}
+
+// out[g * D + x] = sum_t p[g * ld + t] * rows[t * D + x] over float rows t < R, every head; 64 columns
+// at a time in registers
+inline void row_values16(const float* rows, const float* p, int64_t R, int64_t D, int64_t G, int64_t ld, float* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t x0 = 0; x0 < D; x0 += 64) {
+      const int64_t nk = std::min<int64_t>(4, (D - x0) / 16);
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t t = 0; t < R; ++t) {
+        const __m512 w = _mm512_set1_ps(p[g * ld + t]);
+        for (int k = 0; k < 4; ++k)
+          if (k < nk) acc[k] = _mm512_fmadd_ps(w, ld16(rows + t * D + x0 + 16 * k), acc[k]);
+      }
+      for (int k = 0; k < nk; ++k) st16(out + g * D + x0 + 16 * k, acc[k]);
+    }
+  }
+}
 #endif  // __AVX512F__
 
 // Tiles t0..t1-1 of sequence b, KV head h, for the rotated query qr [G, D]. The query, the channel
 // parameters and the accumulator live in the codes' plane order (vec.h), so that nothing is permuted
 // per query head and tile; the accumulator returns to channel order (planes summed) once at the end.
 void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t sink_n, const float* qr,
-                float* m, float* l, float* acc, Scratch& w) {
+                float* m, float* l, float* acc, Scratch& w, bool amx) {
   const int64_t G = a.G, D = a.D, T = a.T;
   const int64_t KB = a.KB, VB = a.VB, LK = num_planes(KB) * D, LV = num_planes(VB) * D;
   const bool log8 = a.LOG8 != 0;
@@ -342,16 +532,25 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
     for (int64_t x = 0; x < LK; ++x) qp[g * LK + x] = qr[g * D + kidx[x]];
   std::fill(accp, accp + G * LV, 0.f);
   auto record = [&](int64_t i) { return a.cache + a.block_table[b * a.bt_sb + i] * a.cache_sb + h * a.cache_sh; };
-  // records are scattered: every line of the next record is fetched while this one is computed (a
-  // record takes thousands of cycles, its 64-byte lines a few hundred prefetches)
+  // records are scattered: every line of the next record is fetched while this one is computed, a
+  // quarter at four points of the loop (a burst of a hundred prefetches stalls until the line fill
+  // buffers drain; a record takes thousands of cycles)
   const int64_t rec_bytes = a.VF + (a.VF - a.VO) * D / T;  // the value factors [D] end the record
-  auto prefetch = [&](const uint8_t* r) {
-    for (int64_t off = 0; off < rec_bytes + 63; off += 64) __builtin_prefetch(r + off);  // lines may be unaligned
+  const int64_t rec_lines = (rec_bytes + 2 * 63) / 64;     // lines may be unaligned
+  auto prefetch = [&](int64_t i, int64_t part) {
+    if (i >= t1) return;
+    const uint8_t* r = record(i);
+    for (int64_t line = part * rec_lines / 4; line < (part + 1) * rec_lines / 4; ++line) __builtin_prefetch(r + 64 * line);
   };
-  if (t0 < t1) prefetch(record(t0));
+  for (int64_t part = 0; part < 4; ++part) prefetch(t0, part);
+#if defined(KVARN_AMX)
+  if (amx) configure_tiles();
+#else
+  (void)amx;
+#endif
   for (int64_t i = t0; i < t1; ++i) {
     const uint8_t* rec = record(i);
-    if (i + 1 < t1) prefetch(record(i + 1));  // while this one is computed
+    prefetch(i + 1, 0);
 #if defined(__AVX512F__)
     positives16(rec + a.KS, D, log8, a.lut, w.ks.data());
     offsets16(rec + a.KO, D, log8, w.ks.data(), w.ko.data());
@@ -364,20 +563,35 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
       c[g] = _mm512_reduce_add_ps(cg);
       for (int64_t x = 0; x < LK; x += 16) st16(qs + g * LK + x, _mm512_mul_ps(ld16(qp + g * LK + x), ld16(kperm + x)));
     }
-    switch (KB) {
-      case 2: packed_scores16<2>(rec + a.KC, T, D, qs, LK, G, s, w.red16.data()); break;
-      case 3: packed_scores16<3>(rec + a.KC, T, D, qs, LK, G, s, w.red16.data()); break;
-      case 4: packed_scores16<4>(rec + a.KC, T, D, qs, LK, G, s, w.red16.data()); break;
-      default: packed_scores16<8>(rec + a.KC, T, D, qs, LK, G, s, w.red16.data()); break;
+#if defined(KVARN_AMX)
+    if (amx && query_digits(qs, LK, G, w.amx.qa, w.amx.kstep)) {
+      const AmxBuffers& x = w.amx;
+      switch (KB) {
+        case 2: scores_amx<2>(rec + a.KC, T, D, x.qa, G, x.kstep, x.bt, x.cbuf, s); break;
+        case 3: scores_amx<3>(rec + a.KC, T, D, x.qa, G, x.kstep, x.bt, x.cbuf, s); break;
+        case 4: scores_amx<4>(rec + a.KC, T, D, x.qa, G, x.kstep, x.bt, x.cbuf, s); break;
+        default: scores_amx<8>(rec + a.KC, T, D, x.qa, G, x.kstep, x.bt, x.cbuf, s); break;
+      }
+    } else
+#endif
+    {
+      switch (KB) {
+        case 2: packed_scores16<2>(rec + a.KC, T, D, qs, LK, G, s, w.red16.data()); break;
+        case 3: packed_scores16<3>(rec + a.KC, T, D, qs, LK, G, s, w.red16.data()); break;
+        case 4: packed_scores16<4>(rec + a.KC, T, D, qs, LK, G, s, w.red16.data()); break;
+        default: packed_scores16<8>(rec + a.KC, T, D, qs, LK, G, s, w.red16.data()); break;
+      }
     }
     for (int64_t g = 0; g < G; ++g) {
       const __m512 cg = _mm512_set1_ps(c[g]);
       for (int64_t t = 0; t < T; t += 16)
         st16(s + g * T + t, _mm512_mul_ps(ld16(w.kf.data() + t), _mm512_add_ps(ld16(s + g * T + t), cg)));
     }
+    prefetch(i + 1, 1);
     if (i == 0 && sink_n > 0 && a.SINK_TOKENS > 0)  // attended from the exact copies instead
       for (int64_t g = 0; g < G; ++g)
         for (int64_t t = 0; t < std::min(sink_n, T); ++t) s[g * T + t] = -INFINITY;
+    prefetch(i + 1, 2);
     if (!softmax16(s, G, T, T, LV, m, l, accp)) continue;
     positives16(rec + a.VS, T, log8, a.lut, w.vs.data());
     offsets16(rec + a.VO, T, log8, w.vs.data(), w.vo.data());
@@ -399,6 +613,7 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
       case 4: packed_values16<4>(rec + a.VC, T, D, s, T, G, vsum); break;
       default: packed_values16<8>(rec + a.VC, T, D, s, T, G, vsum); break;
     }
+    prefetch(i + 1, 3);
     for (int64_t g = 0; g < G; ++g) {
       const __m512 cg = _mm512_set1_ps(c[g]);
       float* ag = accp + g * LV; const float* sg = vsum + g * LV;
@@ -407,6 +622,7 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
       for (int64_t x = D; x < LV; x += 16) st16(ag + x, _mm512_fmadd_ps(ld16(vperm + x), ld16(sg + x), ld16(ag + x)));
     }
 #else
+    for (int64_t part = 1; part < 4; ++part) prefetch(i + 1, part);
     positives(rec + a.KS, D, log8, a.lut, w.ks.data());
     offsets(rec + a.KO, D, log8, w.ks.data(), w.ko.data());
     positives(rec + a.KF, T, log8, a.lut, w.kf.data());
@@ -450,6 +666,9 @@ void tiles_task(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, int
     }
 #endif
   }
+#if defined(KVARN_AMX)
+  if (amx) _tile_release();
+#endif
   for (int64_t g = 0; g < G; ++g)
     for (int64_t x = 0; x < LV; ++x) acc[g * D + vidx[x]] += accp[g * LV + x];
 }
@@ -463,6 +682,22 @@ void rows_task(const Args& a, const char* k, const char* v, int64_t st, int64_t 
   std::fill(w.qs.begin(), w.qs.end(), 0.f);
   std::copy(q, q + G * D, qs);
   for (int64_t r0 = 0; r0 < n; r0 += ROWS) {
+#if defined(__AVX512F__)
+    const int64_t nb = std::min(ROWS, n - r0), n16 = (nb + 15) / 16 * 16;
+    for (int64_t r = 0; r < n16; ++r) {
+      if (r < nb) load_row(k + (r0 + r) * st * es, a.DTYPE, D, rows + r * D);
+      else std::fill(rows + r * D, rows + (r + 1) * D, 0.f);
+    }
+    head_groups(G, [&](auto ng, int64_t g0) {
+      row_scores16<decltype(ng)::value>(rows, qs, n16, D, g0, s, ROWS, w.red16.data());
+    });
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t r = nb; r < n16; ++r) s[g * ROWS + r] = -INFINITY;
+    if (!softmax16(s, G, n16, ROWS, D, m, l, acc)) continue;
+    for (int64_t r = 0; r < nb; ++r) load_row(v + (r0 + r) * st * es, a.DTYPE, D, rows + r * D);
+    row_values16(rows, s, nb, D, G, ROWS, tmp);
+    for (int64_t x = 0; x < G * D; x += 16) st16(acc + x, _mm512_add_ps(ld16(acc + x), ld16(tmp + x)));
+#else
     const int64_t nb = std::min(ROWS, n - r0), n8 = (nb + 7) / 8 * 8;
     for (int64_t r = 0; r < n8; ++r) {
       if (r < nb) load_row(k + (r0 + r) * st * es, a.DTYPE, D, rows + r * D);
@@ -476,6 +711,7 @@ void rows_task(const Args& a, const char* k, const char* v, int64_t st, int64_t 
     std::fill(tmp, tmp + G * D, 0.f);
     value_sums(rows, s, nb, D, G, ROWS, tmp);
     for (int64_t x = 0; x < G * D; x += 8) storev(acc + x, loadv(acc + x) + loadv(tmp + x));
+#endif
   }
 }
 
@@ -511,6 +747,11 @@ int kvarn::decode_attention(const Args& a) {
   const int64_t B = a.B, H = a.H, G = a.G, D = a.D, W = D + 2;
   const int64_t S = std::max<int64_t>(1, (a.BT_WIDTH + a.SPLIT_TILES - 1) / a.SPLIT_TILES), P = S + 1;
   std::vector<float> part((size_t)(B * H * P * G * W));  // per (b, h, part, g): m, l, acc[D]
+#if defined(KVARN_AMX)
+  const bool amx = amx_usable();
+#else
+  const bool amx = false;
+#endif
   std::vector<Scratch> scratch((size_t)std::max<int64_t>(1, a.NTHREADS));
   for (Scratch& w : scratch) w.fit(G, a.T, D, a.KB, a.VB);
   #pragma omp parallel for schedule(dynamic, 1) num_threads((int)a.NTHREADS)
@@ -544,7 +785,7 @@ int kvarn::decode_attention(const Args& a) {
         } else {
           qr = q;
         }
-        tiles_task(a, b, h, t0, t1, sink_n, qr.data(), m.data(), l.data(), acc.data(), w);
+        tiles_task(a, b, h, t0, t1, sink_n, qr.data(), m.data(), l.data(), acc.data(), w, amx);
       }
     }
     for (int64_t g = 0; g < G; ++g) {
