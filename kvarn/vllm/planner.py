@@ -98,9 +98,7 @@ class Planner(Generic[StepT]):
         qsl = m.query_start_loc_cpu[: n + 1].tolist()
         seq_lens = m.seq_lens[:n].cpu().tolist()
         host = m.block_table_tensor[:n].cpu()
-        rows = [
-            host[i, : self.layout.step_blocks(s - (qsl[i + 1] - qsl[i]), s)].tolist() for i, s in enumerate(seq_lens)
-        ]
+        rows = [host[i, : self.layout.table_blocks(s)].tolist() for i, s in enumerate(seq_lens)]
         decode = all(b - a == 1 for a, b in zip(qsl, qsl[1:], strict=False))
         plans, self.moves = plan_tails(qsl, seq_lens, rows, self.layout, m.block_table_tensor.device)
         if self.sinks is not None:

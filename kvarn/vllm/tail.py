@@ -17,8 +17,8 @@ in the model dtype (``[rows_per_page, 2, D]``). Two orders, one per engine:
   rows_per_page`` of the request's block table, row ``r % rows_per_page``. The partial tile's own
   block holds its first rows until the tile fills and its packed record replaces them (they are read
   into the step's scratch tile first), and the next tile starts in the block after it. A request
-  holds ``j + ceil(rows / rows_per_page)`` blocks: the tail blocks follow the rows, and the manager
-  allocates them as the request's tokens grow (:meth:`TailLayout.table_blocks`).
+  holds ``L`` blocks beyond its complete tiles, the first of them its partial tile's own
+  (:meth:`TailLayout.table_blocks`).
 - *backward* (speculative decoding, which rolls a request back into a tile it completed): row ``r``
   of tile ``j`` sits at linear index ``x = L * rows_per_page - 1 - r`` of the ``L`` pages after
   block ``j``: page ``j + 1 + x // rows_per_page``, row ``x % rows_per_page``. Filling backwards keeps
@@ -26,12 +26,13 @@ in the model dtype (``[rows_per_page, 2, D]``). Two orders, one per engine:
   differ), so a step whose draft tokens are rejected still finds the rows of that tile; rows the
   next tile writes later overwrite them, and by then no rollback can reach them. The packed record
   of tile ``j`` goes into block ``j`` itself, which then holds no row anyone reads. A request holds
-  ``L`` blocks beyond its tiles from its first step.
+  ``L`` blocks beyond every tile it touches: one more than in the forward order while a tile is
+  partial.
 
-``L = ceil(T / rows_per_page)`` is the most tail blocks a request holds, e.g. 5 for
-``kvarn_k4v2_g128`` at head_dim 64 or 128 in bfloat16; with the forward order a request past its
-first tile holds at most ``L - 1`` blocks beyond its complete tiles and the block of its partial one
-(:meth:`TailLayout.peak_blocks`). The rows of the smallest page of the model's kvarn layers set
+``L = ceil(T / rows_per_page)``, e.g. 5 for ``kvarn_k4v2_g128`` at head_dim 64 or 128 in bfloat16.
+A request holds its ``L`` blocks from its first step, not as its rows arrive: allocated row by row,
+a burst of requests is admitted by its tiles alone and then preempted as the rows come (measured
+in docs/capacity.md). The rows of the smallest page of the model's kvarn layers set
 ``rows_per_page`` for all of them.
 
 The same layout serves the two other page kinds. An MLA layer's page is one latent record
@@ -88,28 +89,12 @@ class TailLayout:
         return tile + 1 + x // self.rows_per_page, x % self.rows_per_page
 
     def table_blocks(self, tokens: int) -> int:
-        """Kernel blocks a request of ``tokens`` tokens needs in its block table: its complete tiles
-        and the pages of its partial tile's rows (forward), or every tile it touches and ``L`` (backward)."""
+        """Kernel blocks a request of ``tokens`` tokens holds in its block table: ``L`` beyond its
+        complete tiles (forward), or beyond every tile it touches (backward); none before a token."""
         if tokens <= 0:
             return 0
         full, rows = divmod(tokens, self.group_size)
-        if self.forward:
-            return full + -(-rows // self.rows_per_page)
-        return full + (rows > 0) + self.blocks
-
-    def step_blocks(self, ctx: int, seq_len: int) -> int:
-        """Kernel blocks of its table a step that takes a request from ``ctx`` to ``seq_len`` tokens reads
-        or writes: a step that fills the partial tile still loads its rows from the blocks after it."""
-        return max(self.table_blocks(ctx), self.table_blocks(seq_len))
-
-    def peak_blocks(self, tokens: int) -> int:
-        """The most kernel blocks a request holds on its way to ``tokens`` tokens: vLLM never shrinks a
-        running request's block table, so a request past a tile boundary keeps the blocks its last
-        partial tile needed (forward: ``tokens // T - 1 + L`` after the first tile)."""
-        full = tokens // self.group_size
-        if self.forward and full:
-            return max(self.table_blocks(tokens), full - 1 + self.blocks)
-        return self.table_blocks(tokens)
+        return full + (rows > 0 and not self.forward) + self.blocks
 
 
 def tail_layout(
@@ -191,7 +176,7 @@ def plan_tails(
         q0, q_len = query_start[i], query_start[i + 1] - query_start[i]
         full = block_rows[i]
         p = RequestPlan(q0, q_len, seq_len - q_len, full[: (seq_len + t - 1) // t])
-        if q_len and len(full) < (need := layout.step_blocks(seq_len - q_len, seq_len)):
+        if q_len and len(full) < (need := layout.table_blocks(seq_len)):
             raise RuntimeError(
                 f"kvarn: request {i}'s block table has {len(full)} entries; its {seq_len} tokens need "
                 f"{need} with their tail (vLLM did not size it by kvarn's TailSpec)"

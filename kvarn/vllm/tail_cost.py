@@ -7,12 +7,12 @@ from kvarn.vllm.tail import TailLayout
 
 
 def request_blocks(tokens: int, block_size: int, layout: TailLayout | None = None) -> int:
-    """The most blocks of ``block_size`` tokens a running request holds on its way to ``tokens``
-    tokens: its tokens' blocks, and with a kvarn ``layout`` its tail blocks
-    (:meth:`TailLayout.peak_blocks`; none before it holds a token)."""
+    """Blocks of ``block_size`` tokens a running request of ``tokens`` tokens holds: its tokens' blocks,
+    and with a kvarn ``layout`` its tail blocks (:meth:`TailLayout.table_blocks`; none before it holds
+    a token)."""
     if layout is None or tokens <= 0:
         return -(-tokens // block_size) if tokens > 0 else 0
-    return -(-layout.peak_blocks(tokens) * layout.group_size // block_size)
+    return -(-layout.table_blocks(tokens) * layout.group_size // block_size)
 
 
 def requests_that_fit(num_blocks: int, per_request: int) -> int:
@@ -29,19 +29,14 @@ def describe(
     num_blocks: int | None = None,
 ) -> str:
     """One line for the start-up log: what a running request holds beyond its tiles, and what requests
-    of 1,024 and of ``max_model_len`` tokens cost in blocks at most (:func:`request_blocks`) and how
-    many fit at once in ``num_blocks``.
+    of 1,024 and of ``max_model_len`` tokens cost in blocks (:func:`request_blocks`) and how many fit
+    at once in ``num_blocks``.
 
     ``tile_bytes``: bytes of one tile over every kvarn layer; ``block_size``: vLLM's block (several
     tiles in a hybrid model, whose other groups' blocks are not counted here)."""
     blocks = -(-layout.blocks * layout.group_size // block_size)
     tokens = blocks * block_size
-    held = (
-        f"up to {blocks} blocks for its partial tile's rows, as many as they fill ({layout.rows_per_page} rows "
-        "per block)"
-        if layout.forward
-        else f"{blocks} blocks beyond its tiles"
-    )
+    held = f"{blocks} blocks beyond its complete tiles" if layout.forward else f"{blocks} blocks beyond its tiles"
     line = (
         f"{str(layout.dtype).removeprefix('torch.')} tails in vLLM's block pool: each running request holds {held} ({tokens} tokens of "
         f"packed capacity, ~{tokens // layout.group_size * tile_bytes / 2**20:.1f} MiB), freed when it "

@@ -22,10 +22,10 @@ logger = logging.getLogger("kvarn.vllm")
 class _Tail:
     """What a tail spec adds to its vLLM spec.
 
-    ``tail_blocks``: the most vLLM blocks a request holds beyond its tiles (``L``, in the block
-    table's width and in merges); ``tail_rows``: rows per one-tile kernel block when the tail follows
-    its rows (the forward order of :mod:`kvarn.vllm.tail`: a request holds its complete tiles and
-    ``ceil(rows / tail_rows)`` kernel blocks), 0 for ``L`` blocks from the first step;
+    ``tail_blocks``: the vLLM blocks a request holds beyond its tiles (``L``, also in the block
+    table's width and in merges); ``tail_forward``: the forward order of :mod:`kvarn.vllm.tail`, in
+    which they are beyond its complete tiles (its partial tile's block is the first of them), else
+    beyond every tile it touches;
     ``counted``: whether vLLM's per-request memory (``max_memory_usage_bytes``, behind the
     "Maximum concurrency" it logs and its check that ``max_model_len`` fits) counts the tail;
     ``lost_sinks``: the engine's flag file of reclaimed sink rows (:mod:`kvarn.vllm.lost_sinks`;
@@ -33,7 +33,7 @@ class _Tail:
     """
 
     tail_blocks: int
-    tail_rows: int
+    tail_forward: bool
     counted: bool
     lost_sinks: str
 
@@ -45,15 +45,16 @@ class _Tail:
         if not self.counted:
             return base
         tokens = int(vllm_config.model_config.max_model_len)
-        return peak_tokens(self, tokens) // int(self.block_size) * int(self.page_size_bytes)  # type: ignore[attr-defined]
+        blocks = -(-request_tokens(self, tokens) // int(self.block_size))  # type: ignore[attr-defined]
+        return blocks * int(self.page_size_bytes)  # type: ignore[attr-defined]
 
     @classmethod
     def merge(cls, specs: list[Any]) -> Any:
         merged = super().merge(specs)  # type: ignore[misc]
         first = specs[0]
         return replace(
-            merged, tail_blocks=max(s.tail_blocks for s in specs), tail_rows=first.tail_rows, counted=first.counted,
-            lost_sinks=first.lost_sinks,
+            merged, tail_blocks=max(s.tail_blocks for s in specs), tail_forward=first.tail_forward,
+            counted=first.counted, lost_sinks=first.lost_sinks,
         )  # fmt: skip
 
 
@@ -64,7 +65,7 @@ class TailSpec(_Tail, FullAttentionSpec):
     Every layer of the kvarn group has it (16-bit layers of the group too, so that the group is of one
     type and its block table of one width); :class:`TailManager` allocates by it. The memory vLLM
     counts per request (``max_memory_usage_bytes``, behind the "Maximum concurrency" it logs)
-    includes the most tail blocks a request of ``max_model_len`` tokens holds where ``counted``: a
+    includes the tail blocks a request of ``max_model_len`` tokens holds where ``counted``: a
     model whose attention layers are all full attention. A hybrid or sliding-window model's groups
     are planned from the same figure (counting the tail there takes page bytes from the packed
     layers, docs/capacity.md), so there it stays the tiles', and kvarn's start-up line gives the
@@ -72,7 +73,7 @@ class TailSpec(_Tail, FullAttentionSpec):
     """
 
     tail_blocks: int = 0
-    tail_rows: int = 0
+    tail_forward: bool = False
     counted: bool = False
     lost_sinks: str = ""
 
@@ -82,7 +83,7 @@ class TailMLASpec(_Tail, MLAAttentionSpec):
     """:class:`TailSpec` for an MLA model's latent layers (vLLM's ``MLAAttentionSpec``)."""
 
     tail_blocks: int = 0
-    tail_rows: int = 0
+    tail_forward: bool = False
     counted: bool = False
     lost_sinks: str = ""
 
@@ -95,9 +96,9 @@ def _tile(spec: Any) -> int:
 
 def with_tail(spec: Any, layout: TailLayout, vllm_config: Any = None, counted: bool = False) -> Any:
     """``spec`` (a plain :class:`FullAttentionSpec` or ``MLAAttentionSpec``) as a tail spec whose requests
-    hold the tail blocks of ``layout``: at most ``ceil(L x tile / block_size)`` of vLLM's blocks (a
-    hybrid model's blocks hold several tiles; the tile is ``tokens_per_state`` of a packed spec, else
-    the block), as many as their rows need in the forward order. ``vllm_config``: the engine's, which
+    hold the tail blocks of ``layout``: ``ceil(L x tile / block_size)`` of vLLM's blocks (a hybrid
+    model's blocks hold several tiles; the tile is ``tokens_per_state`` of a packed spec, else the
+    block), in its order (:class:`_Tail`). ``vllm_config``: the engine's, which
     names its flag file of reclaimed sink rows (:func:`kvarn.vllm.lost_sinks.channel_path`; none
     without it); ``counted``: vLLM's per-request memory counts the tail (:class:`TailSpec`)."""
     kind = {FullAttentionSpec: TailSpec, MLAAttentionSpec: TailMLASpec}.get(type(spec))
@@ -107,31 +108,20 @@ def with_tail(spec: Any, layout: TailLayout, vllm_config: Any = None, counted: b
     lost = channel_path(vllm_config) if vllm_config is not None else ""
     return kind(
         **kwargs, tail_blocks=-(-layout.blocks * _tile(spec) // spec.block_size),
-        tail_rows=layout.rows_per_page if layout.forward else 0, counted=counted, lost_sinks=lost,
+        tail_forward=layout.forward, counted=counted, lost_sinks=lost,
     )  # fmt: skip
 
 
 def request_tokens(spec: Any, tokens: int) -> int:
     """The tokens' worth of vLLM blocks a request of ``tokens`` tokens holds with its tail under ``spec``
-    (a tail spec; a whole number of tiles): its tiles and tail blocks, or 0 before it holds a token."""
+    (a tail spec): its tail blocks beyond its complete tiles (forward order) or beyond every tile it
+    touches, or 0 before it holds a token."""
     if tokens <= 0:
         return 0
-    tile, rows = _tile(spec), int(getattr(spec, "tail_rows", 0))
-    if not rows:
-        return tokens + int(getattr(spec, "tail_blocks", 0)) * int(spec.block_size)
-    full, part = divmod(tokens, tile)
-    return (full + -(-part // rows)) * tile
-
-
-def peak_tokens(spec: Any, tokens: int) -> int:
-    """The most of :func:`request_tokens` a request holds on its way to ``tokens`` tokens, in whole vLLM
-    blocks (vLLM never shrinks a running request's block table; see
-    :meth:`kvarn.vllm.tail.TailLayout.peak_blocks`)."""
-    tile, block = _tile(spec), int(spec.block_size)
-    held = request_tokens(spec, tokens)
-    if int(getattr(spec, "tail_rows", 0)) and tokens >= tile:
-        held = max(held, request_tokens(spec, tokens // tile * tile - 1))
-    return -(-held // block) * block
+    tail = int(getattr(spec, "tail_blocks", 0)) * int(spec.block_size)
+    if getattr(spec, "tail_forward", False):
+        return tokens // _tile(spec) * _tile(spec) + tail
+    return tokens + tail
 
 
 # a scheduler's block pool -> its flag file of reclaimed sink rows and kernel blocks per block
@@ -140,8 +130,7 @@ _LOST: weakref.WeakKeyDictionary[Any, tuple[LostSinks, int]] = weakref.WeakKeyDi
 
 class TailManager(FullAttentionManager):
     """vLLM's full-attention manager, allocating with every request's tiles the blocks its 16-bit tail
-    lives in (:func:`request_tokens`): as many as its partial tile's rows need where the tail follows
-    its rows, else ``tail_blocks`` from its first step.
+    lives in (:func:`request_tokens`), from its first step.
 
     With prefix caching and sink rows it also makes the engine's flag file of reclaimed sink rows
     (:mod:`kvarn.vllm.lost_sinks`) and, before every prefix-cache lookup, evicts the first blocks the
@@ -151,7 +140,6 @@ class TailManager(FullAttentionManager):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._floor: dict[str, int] = {}  # request -> tokens' worth its computed tokens hold (this step's ask)
         path = getattr(self.kv_cache_spec, "lost_sinks", "")
         if self.enable_caching and path and self.block_pool not in _LOST:
             stride = max(1, int(self.kv_cache_spec.block_size) // _tile(self.kv_cache_spec))
@@ -176,28 +164,11 @@ class TailManager(FullAttentionManager):
     def _ahead(self, num_tokens: int) -> int:
         return request_tokens(self.kv_cache_spec, num_tokens)
 
-    def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: Any, total_computed_tokens: int, *args: Any,
-        **kwargs: Any,
-    ) -> int:  # fmt: skip
-        # rows a KV connector loads past the whole tiles sit in blocks that a step filling their tile still
-        # reads; vLLM allocates (allocate_new_blocks) right after asking, by the step's tokens only
-        floor = self._ahead(total_computed_tokens)
-        self._floor[request_id] = floor
-        ahead = max(self._ahead(num_tokens), floor)
-        return int(
-            super().get_num_blocks_to_allocate(
-                request_id, ahead, new_computed_blocks, total_computed_tokens, *args, **kwargs
-            )
-        )
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args: Any, **kwargs: Any) -> int:
+        return int(super().get_num_blocks_to_allocate(request_id, self._ahead(num_tokens), *args, **kwargs))
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        ahead = max(self._ahead(num_tokens), self._floor.pop(request_id, 0))
-        return super().allocate_new_blocks(request_id, ahead, *args, **kwargs)
-
-    def free(self, request_id: str) -> None:
-        self._floor.pop(request_id, None)
-        super().free(request_id)
+        return super().allocate_new_blocks(request_id, self._ahead(num_tokens), *args, **kwargs)
 
 
 def register_spec() -> None:

@@ -63,8 +63,8 @@ def test_addresses_stay_in_the_lookahead_and_survive_the_next_tile(rows: int) ->
 
 @pytest.mark.parametrize("rows", [28, 27, 35, 25, 7])
 def test_forward_rows_fill_the_tiles_own_block_then_the_next_ones(rows: int) -> None:
-    """Without rollback tile j's rows fill blocks j, j+1, .. in order, so a request holds only the blocks
-    its rows reach; after its first tile it never holds more than its complete tiles and L."""
+    """Without rollback tile j's rows fill blocks j, j+1, .. in order: a request holds L blocks beyond
+    its complete tiles, one fewer than in the backward order while a tile is partial."""
     t = 128
     layout = TailLayout(t, rows, math.ceil(t / rows), 64, torch.bfloat16, forward=True)
     mine = [layout.address(3, r) for r in range(t)]
@@ -72,11 +72,11 @@ def test_forward_rows_fill_the_tiles_own_block_then_the_next_ones(rows: int) -> 
     assert {k for k, _ in mine} == set(range(3, 3 + layout.blocks))
     for n in range(1, 6 * t):
         used = {layout.address(n // t, r)[0] for r in range(n % t)}
-        assert layout.table_blocks(n) == max(used, default=n // t - 1) + 1
-        assert layout.peak_blocks(n) == max(layout.table_blocks(m) for m in range(1, n + 1))
-    assert layout.peak_blocks(t) == layout.blocks and layout.peak_blocks(5 * t + 1) == 4 + layout.blocks
+        assert layout.table_blocks(n) >= max(used, default=0) + 1
+        assert layout.table_blocks(n) == n // t + layout.blocks
     back = TailLayout(t, rows, math.ceil(t / rows), 64, torch.bfloat16)
     assert [back.table_blocks(n) for n in (0, 1, t, t + 1)] == [0, 1 + back.blocks, 1 + back.blocks, 2 + back.blocks]
+    assert [layout.table_blocks(n) for n in (0, 1, t, t + 1)] == [0, back.blocks, 1 + back.blocks, 1 + back.blocks]
 
 
 def _run_steps(steps: list[tuple[int, int]], layout: TailLayout, seed: int = 0, pad: int = 5) -> int:
@@ -142,9 +142,9 @@ def test_a_step_over_many_tiles_saves_only_what_later_steps_read(rollback: int) 
     # backward: tile 4 too (a rollback may return to it); forward: its rows would overwrite its record
     assert moves.saves is not None and moves.saves[0].tolist() == list(range(512 if rollback else 640, 645))
     plans, moves = plan_tails([0, 1], [640], [list(range(1, 12))], layout, torch.device("cpu"))
-    # tile 4's 127 staged rows load from the blocks after it: entries 4..7 (forward) or 5..8 (backward)
+    # tile 4's 127 staged rows load from its block on: entries 4..7 (forward) or 5..8 (backward)
     assert moves.loads is not None and moves.loads[2].max() == 8 + bool(rollback)
-    with pytest.raises(RuntimeError, match="its 640 tokens need 8 with their tail"):
+    with pytest.raises(RuntimeError, match="its 640 tokens need 9 with their tail"):
         plan_tails([0, 1], [640], [list(range(1, 6))], tail_layout(Scheme.from_name("kvarn_k4v4_g128"), 64, 30,
                    torch.bfloat16), torch.device("cpu"))  # fmt: skip
     # a step that fills tile 4: backward keeps its rows for a rollback; forward saves none (its first rows'
@@ -160,7 +160,7 @@ def test_spec_and_manager_add_the_lookahead() -> None:
     base = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
     spec = with_tail(base, TailLayout(128, 28, 5, 64, torch.bfloat16))
     assert isinstance(spec, TailSpec) and spec.tail_blocks == 5 and spec.page_size_bytes == base.page_size_bytes
-    assert spec.tail_rows == 0
+    assert not spec.tail_forward
     from types import SimpleNamespace
 
     cfg: Any = SimpleNamespace(parallel_config=SimpleNamespace(decode_context_parallel_size=1))
@@ -180,7 +180,6 @@ def test_spec_and_manager_add_the_lookahead() -> None:
 
     def manager_of(spec: Any) -> TailManager:
         manager = object.__new__(TailManager)
-        manager._floor = {}
         manager.kv_cache_spec, manager.block_size = spec, 128
         manager.req_to_blocks, manager._partial_hit_reqs = {"r": []}, {}
         manager._record_new_block_ids, manager.block_pool = False, Pool()
@@ -194,22 +193,16 @@ def test_spec_and_manager_add_the_lookahead() -> None:
     assert manager.get_num_blocks_to_allocate("r", 0, [], 0, 0, 0) == 0
 
     forward = manager_of(with_tail(base, TailLayout(128, 28, 5, 64, torch.bfloat16, forward=True)))
-    assert forward.kv_cache_spec.tail_rows == 28
-    assert forward.get_num_blocks_to_allocate("r", 300, [], 0, 0, 300) == 2 + 2  # 44 rows: 2 blocks
-    assert len(forward.allocate_new_blocks("r", 300, 300)) == 4
-    assert len(forward.allocate_new_blocks("r", 390, 390)) == 0  # 3 tiles and 6 rows: still 4 blocks
-    assert len(forward.allocate_new_blocks("r", 440, 440)) == 1  # 56 rows reach a second block
-    assert len(forward.allocate_new_blocks("r", 384, 384)) == 0  # vLLM never shrinks a table
-    # a KV connector loads 2 tiles and 124 rows, and the prompt's last 4 tokens fill tile 2: the step
-    # still loads the 124 rows from the 5 blocks from tile 2 on
-    forward.req_to_blocks["c"] = []
-    assert forward.get_num_blocks_to_allocate("c", 384, [], 380, 0, 384) == 2 + 5
-    assert len(forward.allocate_new_blocks("c", 384, 384)) == 7 and not forward._floor
+    assert forward.kv_cache_spec.tail_forward
+    assert forward.get_num_blocks_to_allocate("r", 300, [], 0, 0, 300) == 2 + 5  # 2 whole tiles, 44 rows
+    assert len(forward.allocate_new_blocks("r", 300, 300)) == 7
+    assert len(forward.allocate_new_blocks("r", 383, 383)) == 0  # tile 2's rows: the same 7 blocks
+    assert len(forward.allocate_new_blocks("r", 384, 384)) == 1  # tile 3 begins: 5 beyond 3 whole tiles
 
 
 def test_a_block_row_without_tail_blocks_is_an_error_not_garbage() -> None:
     layout = tail_layout(Scheme.from_name("kvarn_k4v2_g128"), 64, 30, torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"3 entries; its 200 tokens need 4 with their tail .*TailSpec"):
+    with pytest.raises(RuntimeError, match=r"3 entries; its 200 tokens need 6 with their tail .*TailSpec"):
         plan_tails([0, 1], [200], [[3, 5, 7]], layout, torch.device("cpu"))
 
 
@@ -224,9 +217,9 @@ def _config(max_model_len: int) -> Any:
 
 def test_vllms_per_request_memory_counts_the_tail_where_counted() -> None:
     """vLLM's worst case per request (``max_memory_usage_bytes``, behind its logged concurrency and its
-    check that max_model_len fits) is the most blocks a request of max_model_len holds with its tail
-    where the spec is ``counted`` (a model of full-attention layers only), else its tiles; page and
-    block unchanged by the tail; :func:`request_blocks` (kvarn's start-up line) says the same."""
+    check that max_model_len fits) is what a request of max_model_len holds with its tail where the
+    spec is ``counted`` (a model of full-attention layers only), else its tiles; page and block
+    unchanged by the tail; :func:`request_blocks` (kvarn's start-up line) says the same."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     from kvarn.vllm.tail_cost import request_blocks
@@ -237,35 +230,35 @@ def test_vllms_per_request_memory_counts_the_tail_where_counted() -> None:
     backward = TailLayout(128, 28, 5, 64, torch.bfloat16)
     cfg, page = _config(1536), base.page_size_bytes
     assert base.max_memory_usage_bytes(cfg) == with_tail(base, forward).max_memory_usage_bytes(cfg) == 12 * page
-    assert with_tail(base, forward, counted=True).max_memory_usage_bytes(cfg) == (11 + 5) * page
+    assert with_tail(base, forward, counted=True).max_memory_usage_bytes(cfg) == (12 + 5) * page
     assert with_tail(base, backward, counted=True).max_memory_usage_bytes(cfg) == (12 + 5) * page
-    assert request_blocks(1536, 128, forward) == 11 + 5 and request_blocks(1536, 128, backward) == 12 + 5
-    assert with_tail(base, forward, counted=True).max_memory_usage_bytes(_config(1500)) == (11 + 4) * page  # 92 rows
-    assert with_tail(base, forward, counted=True).max_memory_usage_bytes(_config(100)) == 4 * page
+    assert request_blocks(1536, 128, forward) == request_blocks(1536, 128, backward) == 12 + 5
+    assert with_tail(base, forward, counted=True).max_memory_usage_bytes(_config(1500)) == (11 + 5) * page
+    assert with_tail(base, backward, counted=True).max_memory_usage_bytes(_config(1500)) == (12 + 5) * page
     spec = with_tail(base, forward, counted=True)
     assert (spec.page_size_bytes, spec.block_size) == (base.page_size_bytes, base.block_size)
     mla = MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     three = TailLayout(128, 43, 3, 576, torch.bfloat16, vectors=1, forward=True)
     assert with_tail(mla, three).max_memory_usage_bytes(cfg) == 12 * mla.page_size_bytes
-    assert with_tail(mla, three, counted=True).max_memory_usage_bytes(cfg) == (11 + 3) * mla.page_size_bytes
+    assert with_tail(mla, three, counted=True).max_memory_usage_bytes(cfg) == (12 + 3) * mla.page_size_bytes
 
 
 def test_request_blocks_and_requests_that_fit() -> None:
-    """A request holds its tokens' blocks plus its tail: in the forward order the blocks its rows reach,
-    at most L past its first tile; in the backward order L from its first token. vLLM's pool keeps
+    """A request holds its tokens' blocks plus L tail blocks from its first token: beyond its complete
+    tiles in the forward order, beyond every tile it touches in the backward one. vLLM's pool keeps
     one block back (the null block); the start-up line says both for 1,024 tokens and max_model_len."""
     from kvarn.vllm.tail_cost import describe, request_blocks, requests_that_fit
 
-    sizes = (0, 1, 128, 129, 1024, 1280, 8192)
+    sizes = (0, 1, 128, 129, 1000, 1024, 1280, 8192)
     backward = tail_layout(Scheme.from_name("kvarn_k4v2_g128"), 64, 30, torch.bfloat16, max_rollback=1)
-    assert [request_blocks(n, 128, backward) for n in sizes] == [0, 6, 6, 7, 13, 15, 69]
+    assert [request_blocks(n, 128, backward) for n in sizes] == [0, 6, 6, 7, 13, 13, 15, 69]
     layout = tail_layout(Scheme.from_name("kvarn_k4v2_g128"), 64, 30, torch.bfloat16)
-    assert [request_blocks(n, 128, layout) for n in sizes] == [0, 1, 5, 5, 12, 14, 68]
+    assert [request_blocks(n, 128, layout) for n in sizes] == [0, 5, 6, 6, 12, 13, 15, 69]
     assert request_blocks(1280, 128) == 10
     assert requests_that_fit(404, 17) == 23 and requests_that_fit(91, 10) == 9 and requests_that_fit(1, 5) == 0
     line = describe(layout, 30 * 3 * 7296, 128, 1536, 404)
-    assert "holds up to 5 blocks for its partial tile's rows" in line
-    assert "1,024 tokens: 12 blocks, 33 at once in 404 blocks" in line
-    assert "1,536 tokens (max_model_len): 16 blocks, 25 at once in 404 blocks" in line
+    assert "holds 5 blocks beyond its complete tiles" in line
+    assert "1,024 tokens: 13 blocks, 31 at once in 404 blocks" in line
+    assert "1,536 tokens (max_model_len): 17 blocks, 23 at once in 404 blocks" in line
     assert "holds 5 blocks beyond its tiles" in describe(backward, 30 * 3 * 7296, 128, 1536, 404)
     assert "at once" not in describe(layout, 30 * 3 * 7296, 128, 1536)
