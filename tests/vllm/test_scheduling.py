@@ -234,9 +234,12 @@ ALONE_SAMPLE = (*range(0, 248, 31), *range(248, 256))  # requests of engine 3 al
 def default_settings_run() -> dict[str, Any]:
     """Engine 3: vLLM's default scheduler settings (max_num_seqs 256 on CPU), the model's bfloat16
     and 1 GiB of KV memory; 256 distinct requests at once (8 of them over a tile), then
-    :data:`ALONE_SAMPLE` of them alone on an empty prefix cache: the 8 over a tile and every 31st other."""
+    :data:`ALONE_SAMPLE` of them alone on an empty prefix cache: the 8 over a tile and every 31st other;
+    the KV capacity vLLM reports (packed tokens, and its own figure that counts the tail)."""
     from kvarn.models import resolve_model
-    from kvarn.vllm.engine import cpu_engine, kv_tokens
+    from kvarn.vllm.context import layout_for
+    from kvarn.vllm.engine import cpu_engine, kv_tokens, logged_kv_tokens
+    from kvarn.vllm.tail_cost import request_blocks
 
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     ids = _text_ids()
@@ -246,6 +249,10 @@ def default_settings_run() -> dict[str, Any]:
     with cpu_engine(str(resolve_model("smollm2-135m")), _scheme_name(), kv_cache_memory_bytes=2**30) as llm:
         r["max_num_seqs"] = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
         r["kv_tokens"] = kv_tokens(llm)
+        config = llm.llm_engine.vllm_config
+        r["logged"], r["blocks"] = logged_kv_tokens(llm), int(config.cache_config.num_gpu_blocks)
+        r["max_model_len"] = int(config.model_config.max_model_len)
+        r["per_request"] = request_blocks(r["max_model_len"], 128, layout_for(config))
         r["together"] = greedy(_generate(llm, prompts, max_tokens=8))
         r["alone"] = []
         for i in ALONE_SAMPLE:
@@ -257,12 +264,16 @@ def default_settings_run() -> dict[str, Any]:
 def test_vllm_defaults_serve_256_requests_at_once(default_settings_run: dict[str, Any]) -> None:
     """At vLLM's default max_num_seqs every request runs (each holds its own tail blocks; no pool caps
     the concurrency), with the greedy tokens it gets alone up to a near-tie (each request of
-    :data:`ALONE_SAMPLE`, every kind of prompt), and the KV capacity vLLM
-    reports is the packed one: at least 4.3x the 16-bit cache's 46,592 tokens."""
+    :data:`ALONE_SAMPLE`, every kind of prompt); the packed KV tokens are at least 4.3x the 16-bit
+    cache's 46,592, and vLLM's logged figure counts each max_model_len request's tail."""
     r = default_settings_run
     assert r["max_num_seqs"] == 256 and len(r["prompts"]) == 256
     assert len({tuple(p) for p in r["prompts"]}) == 256
     assert r["kv_tokens"] >= 4.3 * 46592, r["kv_tokens"]
+    # vLLM's own "KV cache size" counts a max_model_len request's tail: its logged concurrency is the
+    # blocks over what such a request holds with its tail (64 tiles and 5 tail blocks at 8,192 tokens)
+    assert r["per_request"] == r["max_model_len"] // 128 + 5
+    assert r["logged"] == int(r["blocks"] / r["per_request"] * r["max_model_len"]), r
     assert all(len(got.tokens) == 8 for got in r["together"])
     for i, alone in zip(r["sample"], r["alone"], strict=True):
         assert agree(r["together"][i], alone) is None, (i, agree(r["together"][i], alone))

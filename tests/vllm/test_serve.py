@@ -144,8 +144,8 @@ def test_vllm_serve_answers_concurrent_requests(tmp_path: Path) -> None:
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
             answers = list(pool.map(ask, jobs))
     # the capacity vLLM logs at vLLM's defaults: 1 GiB less kvarn's sink pool (max_num_seqs slots per
-    # layer of one exact token, as kvarn logs them) over the packed pages, in whole blocks; the 16-bit
-    # tails are in the running requests' own blocks, which kvarn's log line states
+    # layer of one exact token, as kvarn logs them) over the packed pages, in whole blocks, shared by
+    # requests of max_model_len that each hold their 16-bit tail's blocks too, as kvarn's line states
     import torch
 
     from kvarn.vllm.pools import pool_bytes
@@ -158,9 +158,11 @@ def test_vllm_serve_answers_concurrent_requests(tmp_path: Path) -> None:
     assert slots, "kvarn did not log its pools"
     scheme = get_scheme("kvarn_k4v2_g128")
     pools = layers * pool_bytes(scheme, kv_heads, head_dim, torch.bfloat16, int(slots[-1]))
-    assert re.search(r"each running request holds 5 blocks beyond its tiles", text), "no tail line"
-    net = (2**30 - pools) // (layers * kv_heads * scheme.tile_bytes(head_dim)) * 128
+    assert re.search(r"each running request holds 5 blocks beyond its complete tiles", text), "no tail line"
+    blocks = (2**30 - pools) // (layers * kv_heads * scheme.tile_bytes(head_dim))
     fp16 = 2**30 // (layers * kv_heads * 2 * 128 * head_dim * 2) * 128
+    # vLLM's figure: requests of max_model_len (1,024 = 8 tiles) with their 5 tail blocks, x 1,024
+    net = int(blocks / (1024 // 128 + 5) * 1024)
     logged = re.findall(r"KV cache size: ([\d,]+) tokens", text)
     assert logged and int(logged[-1].replace(",", "")) == net > fp16, (logged, net, fp16)
     for (path, _), r in zip(jobs, answers, strict=True):
