@@ -274,9 +274,8 @@ def patch_attention_kv_cache_spec(attention: Any) -> None:
             spec = self.impl.layer_spec(spec, self.layer_name)
             if shared is not None and shared > spec.page_size_bytes:
                 spec = dataclasses.replace(spec, page_size_padded=shared)
-        if vllm_config.model_config is None:
-            return spec
-        return with_tail(spec, context_of(vllm_config).layout, vllm_config, counted=tail_counted(vllm_config))
+        ctx = context_of(vllm_config) if vllm_config.model_config is not None else None
+        return spec if ctx is None else with_tail(spec, ctx.layout, vllm_config, counted=tail_counted(vllm_config))
 
     attention.get_kv_cache_spec = get_kv_cache_spec
 
