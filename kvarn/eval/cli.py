@@ -1,7 +1,8 @@
 """``kvarn eval``: measure schemes in decode mode on a real model; table, JSON and Pareto plot.
 
 ``--task perplexity`` (default) scores the text; ``--task needle`` retrieves a hidden pass key
-(:mod:`kvarn.eval.needle`); ``--task drift`` follows free-running generation (:mod:`kvarn.eval.drift`).
+(:mod:`kvarn.eval.needle`); ``--task drift`` follows free-running generation (:mod:`kvarn.eval.drift`);
+``--task freerun`` scores free-running text from shipped prompts (:mod:`kvarn.eval.freerun`).
 Thin: parse arguments, make library calls (:class:`kvarn.eval.harness.Evaluator`, the tasks), print.
 """
 
@@ -16,16 +17,24 @@ from typing import Any
 import torch
 
 from kvarn.baselines import VLLM033
-from kvarn.eval import drift, needle
+from kvarn.eval import drift, freerun, needle
 from kvarn.eval.bos import BOS_CHOICES
 from kvarn.eval.harness import EvalResult, Evaluator
-from kvarn.eval.report import Result, format_drift_table, format_needle_table, format_table, plot_pareto, write_json
+from kvarn.eval.report import (
+    Result,
+    format_drift_table,
+    format_freerun_table,
+    format_needle_table,
+    format_table,
+    plot_pareto,
+    write_json,
+)
 from kvarn.hf import FP16, baselines, resolve_spec
 from kvarn.models import DEVICES, DTYPES, parse_device
 from kvarn.schemes import BUILTINS
 
 GROUPS = ("all", "kvarn", "baselines", "vllm")
-TASKS = ("perplexity", "needle", "drift")
+TASKS = ("perplexity", "needle", "drift", "freerun")
 
 
 def expand_schemes(spec: str) -> list[str]:
@@ -100,7 +109,9 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=TASKS,
         help="perplexity: score the text (perplexity, KL, top-1, greedy agreement; default); needle: retrieve a "
         "5-digit pass key hidden at --depths depths of --lengths-token prompts; drift: generate --drift-tokens "
-        "greedily from --prompts prompts, tokens until the first divergence from fp16 and KL along the way",
+        "greedily from --prompts prompts, tokens until the first divergence from fp16 and KL along the way; freerun: "
+        "generate --freerun-tokens greedily and sampled from the shipped prompts, repetition, distinct-2, divergence "
+        "and perplexity against fp16's",
     )
     p.add_argument("--model", default="smollm2-135m", help="model alias or local Hugging Face folder")
     p.add_argument(
@@ -123,9 +134,21 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="needle: prompt lengths in tokens (default 2048,4096,8192)",
     )
     add_count(p, "--depths", 1, needle.DEFAULT_DEPTHS, "needle: depths per length, evenly spaced from start to end")
-    add_count(p, "--prompts", 1, drift.DEFAULT_PROMPTS, "drift: prompts")
+    p.add_argument(
+        "--prompts",
+        type=_positive("--prompts", 1),
+        help=f"drift: prompts (default {drift.DEFAULT_PROMPTS}); freerun: the first N shipped prompts of --kinds "
+        "(default all)",
+    )
     add_count(p, "--prompt-tokens", 1, drift.DEFAULT_PROMPT_TOKENS, "drift: tokens per prompt, from the text")
     add_count(p, "--drift-tokens", 1, drift.DEFAULT_TOKENS, "drift: tokens generated from each prompt")
+    add_count(p, "--freerun-tokens", 4, freerun.DEFAULT_TOKENS, "freerun: tokens generated per prompt and mode")
+    p.add_argument(
+        "--kinds",
+        type=lambda t: t.split(","),
+        default=list(freerun.KINDS),
+        help=f"freerun: prompt kinds, comma-separated (default {','.join(freerun.KINDS)})",
+    )
     p.add_argument(
         "--json",
         type=Path,
@@ -180,8 +203,8 @@ def checked_schemes(args: argparse.Namespace) -> list[str]:
     parse_device(args.device)  # so does cuda without CUDA
     if args.plot and args.task != "perplexity":
         raise ValueError(f"--plot draws bits/element vs KL of --task perplexity, not of --task {args.task}")
-    if args.task == "needle" and FP16 not in names:
-        names.insert(0, FP16)  # the 16-bit rate belongs beside every other
+    if args.task in ("needle", "freerun") and FP16 not in names:
+        names.insert(0, FP16)  # the 16-bit row belongs beside every other
     if args.text is not None and not args.text.is_file():
         raise FileNotFoundError(f"--text {args.text}: no such file")
     return names
@@ -193,7 +216,7 @@ def run_eval(args: argparse.Namespace) -> int:
     text = None if args.text is None else args.text.read_text(encoding="utf-8")
     if args.threads:
         torch.set_num_threads(args.threads)
-    tokens = {"perplexity": args.tokens, "needle": max(args.lengths), "drift": 10**9}[args.task]
+    tokens = {"perplexity": args.tokens, "needle": max(args.lengths), "drift": 10**9, "freerun": 10**9}[args.task]
     ev = Evaluator(
         args.model,
         text,
@@ -235,13 +258,23 @@ def run_eval(args: argparse.Namespace) -> int:
         )
         print(format_needle_table(found, markdown=args.markdown))
     elif args.task == "drift":
-        dt = drift.DriftTask(ev, args.prompts, args.prompt_tokens, args.drift_tokens)
+        prompts = args.prompts or drift.DEFAULT_PROMPTS
+        dt = drift.DriftTask(ev, prompts, args.prompt_tokens, args.drift_tokens)
         runs = dt.evaluate_all(names, progress=progress, on_result=save)
         print(
-            f"{args.model}, drift: {args.drift_tokens} greedy tokens after each of {args.prompts} prompts of "
+            f"{args.model}, drift: {args.drift_tokens} greedy tokens after each of {prompts} prompts of "
             f"{args.prompt_tokens} tokens, chunk {args.chunk} (decode mode; {where})"
         )
         print(format_drift_table(runs, markdown=args.markdown))
+    elif args.task == "freerun":
+        ft = freerun.FreerunTask(ev, args.prompts, args.freerun_tokens, args.kinds)
+        free = ft.evaluate_all(names, progress=progress, on_result=save)
+        print(
+            f"{args.model}, freerun: {args.freerun_tokens} tokens greedy and sampled (temperature {freerun.TEMPERATURE}, "
+            f"top-p {freerun.TOP_P}, seed {freerun.SEED}) from {len(ft.prompts)} prompts, chunk {args.chunk}; mean "
+            f"[95% bootstrap interval over prompts] (decode mode; {where})"
+        )
+        print(format_freerun_table(free, markdown=args.markdown))
     else:
         meta["greedy_tokens"] = args.greedy_tokens
         results: list[EvalResult] = ev.evaluate_all(names, progress=progress, on_result=save)

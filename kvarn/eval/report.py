@@ -1,4 +1,4 @@
-"""Reporting evaluation results: text tables (perplexity, needle, drift), JSON, and the Pareto plot."""
+"""Reporting evaluation results: text tables (perplexity, needle, drift, freerun), JSON, and the Pareto plot."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from kvarn.eval.drift import DriftResult
+from kvarn.eval.freerun import FreerunResult
 from kvarn.eval.harness import EvalResult
 from kvarn.eval.needle import NeedleResult
 from kvarn.hf import FP16
 
-Result = EvalResult | NeedleResult | DriftResult
+Result = EvalResult | NeedleResult | DriftResult | FreerunResult
 
 
 def pareto(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -88,6 +89,23 @@ def format_drift_table(results: Sequence[DriftResult], markdown: bool = False) -
         ]
         for r in results
     ]
+    return _render(head, rows, markdown)
+
+
+def format_freerun_table(results: Sequence[FreerunResult], markdown: bool = False) -> str:
+    """A table, one row per result: each score's mean over prompts and its 95% interval, greedy
+    (repetition, distinct-2, divergence from fp16, perplexity under the 16-bit model), then sampled."""
+    cols = [("greedy", "repetition", 3), ("greedy", "distinct2", 3), ("greedy", "divergence", 1), ("greedy", "ppl", 2)]
+    cols += [("sampled", "repetition", 3), ("sampled", "distinct2", 3), ("sampled", "ppl", 2)]
+    short = {"repetition": "rep-4", "distinct2": "dist-2", "divergence": "diverge", "ppl": "ppl"}
+    head = ["scheme", "bits/elem", *(f"{m} {short[k]}" for m, k, _ in cols), "seconds"]
+    rows = []
+    for r in results:
+        cells = []
+        for mode, metric, digits in cols:
+            mean, lo, hi = r.summary(mode, metric)
+            cells.append(f"{mean:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]")
+        rows.append([r.scheme, f"{r.bits_per_element:.3f}", *cells, f"{r.seconds:.0f}"])
     return _render(head, rows, markdown)
 
 
