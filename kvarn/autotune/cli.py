@@ -144,9 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-sizes", default="32,64,128,256", help="comma list of tile sizes to search")
     p.add_argument(
         "--search-tiles",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="ladder and allocate: rungs and families at every --group-sizes size that fits the tokens, merged "
-        "by bits (default: the size nearest 128 only; tpe always searches them all)",
+        "by bits (the default; --no-search-tiles: the size nearest 128 only; tpe always searches them all)",
     )
     p.add_argument(
         "--prune-tokens",
@@ -272,10 +273,11 @@ def _config(args: argparse.Namespace) -> TuneConfig | str:
 def _progress_bar(total: int, quiet: bool) -> tuple[Any, Any]:
     from tqdm import tqdm
 
-    bar = tqdm(total=total, desc="kvarn-tune", unit="trial", disable=quiet)
+    bar = tqdm(total=total, desc="kvarn-tune search", unit="trial", disable=quiet)
 
-    def on_trial(evaluated: int, total: int, best: float | None) -> None:
+    def on_trial(evaluated: int, planned: int, best: float | None) -> None:
         bar.set_postfix_str(f"best feasible {best:.4f} bits" if best is not None else "no feasible trial yet")
+        bar.total = planned  # the search's estimate of its measurements: tqdm's ETA reads it
         bar.n = evaluated
         bar.refresh()
 

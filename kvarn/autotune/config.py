@@ -50,9 +50,9 @@ class TuneConfig:
     per_layer: bool = True
     max_protect: int = 4
     group_sizes: tuple[int, ...] = (32, 64, 128, 256)
-    search_tiles: bool = False  # ladder/allocate: every size of group_sizes that fits, not only the one nearest 128
+    search_tiles: bool = True  # ladder/allocate: every size of group_sizes that fits, not only the one nearest 128
     min_tiles: int = 4  # a group size needs this many full tiles in the evaluated tokens
-    prune_tokens: int | None = -1  # -1: tokens // 2 with tpe, none with allocate; 0 or None: none
+    prune_tokens: int | None = -1  # -1: tokens // 2 with tpe or a resuming evaluator, else none; 0 or None: none
     prune_slack: float = 2.0
     sensitivity_tokens: int = 256  # 0: no sensitivity pass (layers ranked by index)
     sensitivity_probe: str = "k2v2"
@@ -92,14 +92,16 @@ class TuneConfig:
         """Tokens a sequence's sink cost is spread over when counting bits per element."""
         return self.context or self.sequence_tokens
 
-    def resolved_prune_tokens(self) -> int | None:
+    def resolved_prune_tokens(self, resumes: bool = False) -> int | None:
         """Tokens of the partial evaluation; None when too short to read anything quantized
         (decode mode reads a chunk's own tokens unquantized, so a prefix needs > 1 chunk).
 
-        By default (-1) half the tokens with TPE, and none with the allocation search: its points
-        lie near the budget, where a partial evaluation rarely prunes and adds half a measurement.
+        By default (-1) half the tokens with TPE or with an evaluator that ``resumes`` (continues a
+        prefix's measurement rather than restarting it: the documents' pooled evaluator), and none
+        with the bisected searches on one ``--text``: their points lie near the budget, where a
+        partial evaluation rarely prunes, and there it adds half a measurement.
         """
-        if self.prune_tokens == -1 and self.strategy != "tpe":
+        if self.prune_tokens == -1 and self.strategy != "tpe" and not resumes:
             return None
         tokens = self.sequence_tokens
         n = tokens // 2 if self.prune_tokens == -1 else self.prune_tokens

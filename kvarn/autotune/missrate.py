@@ -54,7 +54,7 @@ def measure_table(
         t0 = time.perf_counter()
         ev = Evaluator(model, text=d.text, tokens=tokens, greedy_tokens=0)
         for s in schemes:
-            out[(d.name, s.name)] = measure(ev, s)
+            out[(d.name, s.name)] = measure(ev, s)[0]
         if progress:
             print(
                 f"[{i + 1}/{len(docs)}] {d.name} ({d.kind}): {len(schemes)} schemes, {time.perf_counter() - t0:.0f} s"
@@ -121,7 +121,7 @@ def run_split(
 
     config = TuneConfig(
         budget=budget, calibration_docs=tuple(calib), heldout_docs=tuple(held), tokens=tokens * len(calib),
-        strategy="ladder", confirm=2, compare_builtin=False, progress=False, sensitivity_tokens=0,
+        strategy="ladder", search_tiles=False, confirm=2, compare_builtin=False, progress=False, sensitivity_tokens=0,
         feasibility=feasibility,
     )  # fmt: skip
     parts = [calib, held]  # the tuner asks for the calibration evaluator first, then the held-out one

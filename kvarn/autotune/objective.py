@@ -94,6 +94,22 @@ def interval_of(budget: Budget, m: dict[str, Any] | None) -> tuple[float, float]
     return None if m is None else budget.interval(_Dict(m))
 
 
+def halving_rejects(budget: Budget, partial: dict[str, Any]) -> bool:
+    """Successive halving's rule: a candidate measured on a prefix of the tokens is dropped when
+    even the lower end of its metric's interval there is over the budget (a prefix reads fewer
+    quantized tiles per position than the whole, so its damage is, if anything, lower). A
+    measurement without an interval never decides.
+
+    Example:
+        >>> from kvarn.autotune.budget import parse_budget
+        >>> b = parse_budget("kl=0.01")
+        >>> halving_rejects(b, {"kl_ci": [0.0105, 0.0155]}), halving_rejects(b, {"kl_ci": [0.009, 0.017]})
+        (True, False)
+    """
+    interval = interval_of(budget, partial)
+    return interval is not None and not budget.met(interval[0])
+
+
 def best_feasible(trials: list[FrozenTrial]) -> FrozenTrial | None:
     """The complete, feasible trial with the fewest bits (ties: lower metric violation, then number)."""
     ok = [t for t in trials if t.state == TrialState.COMPLETE and t.constraints.get(CONSTRAINT, 1.0) <= 0.0]
@@ -178,8 +194,13 @@ class Objective:
         value = metric_of(self.budget, partial)
         trial.set_user_attr("partial", partial)
         trial.report(value, step=int(partial["tokens"] or self.prune_tokens or 0))
+        status = None
         if trial.should_prune():
-            trial.set_user_attr("status", "pruned: partial evaluation far outside the budget")
+            status = "pruned: partial evaluation far outside the budget"
+        elif halving_rejects(self.budget, partial):
+            status = "pruned: over the budget on the prefix, by its whole interval"
+        if status is not None:
+            trial.set_user_attr("status", status)
             trial.set_constraint(CONSTRAINT, self.budget.violation(value))
             raise optuna.TrialPruned(f"{self.budget.metric}={value:.4g} on {partial['tokens']} tokens")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -78,6 +79,7 @@ class SearchRun:
     trials: list[FrozenTrial]
     interrupted: bool
     sensitivity_end: float  # time.perf_counter() after the sensitivity pass
+    prune_tokens: int | None = None  # tokens of the partial evaluation (successive halving); None: none
 
 
 def layer_mix_bits(evaluator: EvaluatorLike, context: int) -> Callable[[Scheme], float] | None:
@@ -113,9 +115,24 @@ def study_name(config: TuneConfig, space: Space, text_sha: str) -> str:
     return f"kvarn-tune-{slug(config.model)}-{config.budget.slug}-{hashlib.sha256(sig.encode()).hexdigest()[:10]}"
 
 
+def prefix_sha(evaluator: EvaluatorLike, tokens: int, fallback: str) -> str:
+    """SHA-256 of the token ids a pass over the first ``tokens`` of each of ``evaluator``'s texts
+    reads (its ``parts``' or its own ``ids``); ``fallback`` for an evaluator without ids."""
+    h = hashlib.sha256()
+    for part in getattr(evaluator, "parts", None) or [evaluator]:
+        ids = getattr(part, "ids", None)  # [1, n] int64
+        if ids is None:
+            return fallback
+        h.update(json.dumps(ids[0, :tokens].tolist()).encode())
+    return h.hexdigest()
+
+
 def sensitivity(config: TuneConfig, evaluator: EvaluatorLike, num_layers: int, calib_sha: str) -> list[float]:
-    """Per-layer KL of the probe scheme on one layer at a time, cached on disk by model, text and
-    probe; ``[]`` when the pass is off (``sensitivity_tokens`` 0 or no per-layer search)."""
+    """Per-layer KL of the probe scheme on one layer at a time, cached on disk by model, the
+    tokens it reads (the first ``sensitivity_tokens`` of each calibration text: an edit further
+    into a text does not invalidate it) and probe; ``[]`` when the pass is off
+    (``sensitivity_tokens`` 0 or no per-layer search). ``calib_sha`` keys it for an evaluator
+    without token ids."""
     if not config.sensitivity_tokens or not config.searches_layers:
         return []
     from kvarn.models import default_cache_dir
@@ -123,7 +140,8 @@ def sensitivity(config: TuneConfig, evaluator: EvaluatorLike, num_layers: int, c
     k, v = parse_pair(config.sensitivity_probe)
     g = 128 if 128 in config.group_sizes else min(config.group_sizes)
     probe = Scheme(k, v, g)
-    key = sensitivity_key(config.model, calib_sha, config.sensitivity_tokens, probe.name, num_layers)
+    read = prefix_sha(evaluator, config.sensitivity_tokens, calib_sha)
+    key = sensitivity_key(config.model, read, config.sensitivity_tokens, probe.name, num_layers)
     cache = (config.cache_dir or default_cache_dir() / "sensitivity") / f"{key}.json"
 
     model_config = getattr(getattr(evaluator, "model", None), "config", None)
@@ -143,6 +161,20 @@ def sensitivity(config: TuneConfig, evaluator: EvaluatorLike, num_layers: int, c
         return float(r.kl)
 
     return layer_sensitivity(measure, num_layers, probe, cache, progress=config.progress)
+
+
+def planned_trials(config: TuneConfig, space: Space) -> int:
+    """About how many measurements the search makes, for a progress bar's ETA (at most
+    ``config.trials``): a bisection of the first family or the ladder (its top, then log2 of its
+    points) and, for the allocation, one capped point for each of a few families after it (the
+    default run measured three; the rest cost nothing, no cheaper than the best found)."""
+    if isinstance(space, AllocationSpace):
+        plan = math.ceil(math.log2(space.num_layers + 1)) + 1 + min(3, len(space.families) - 1)
+    elif isinstance(space, LadderSpace):
+        plan = math.ceil(math.log2(len(space.rungs))) + 1 + max(0, config.confirm - 1)
+    else:
+        plan = config.trials
+    return max(1, min(plan, config.trials))
 
 
 def make_space(
@@ -180,13 +212,12 @@ def make_space(
     )
 
 
-def open_study(config: TuneConfig, name: str) -> optuna.Study:
+def open_study(config: TuneConfig, name: str, prune_tokens: int | None = None) -> optuna.Study:
     """Create or load the study ``name`` in ``config.storage`` and fail the trials a killed
     process left RUNNING (they cannot be resumed) and, for a search that enqueues one point at a
     time (allocate, ladder), WAITING: ``study.optimize`` would run that stale point in place of the
-    one enqueued next."""
+    one enqueued next. ``prune_tokens``: the partial evaluation's length (None: none, no pruner)."""
     storage = optuna.storages.get_storage(config.storage)
-    prune_tokens = config.resolved_prune_tokens()
     pruner: optuna.pruners.BasePruner = optuna.pruners.NopPruner()
     if prune_tokens and not config.budget.needs_greedy:
         pruner = optuna.pruners.ThresholdPruner(upper=config.budget.limit * config.prune_slack)
@@ -240,7 +271,8 @@ def search(
         bits_of or (lambda s: s.bits_per_element(head_dim, num_layers, config.bits_context)),
     )
     name = config.study_name or study_name(config, space, text_sha)
-    study = open_study(config, name)
+    prune_tokens = config.resolved_prune_tokens(resumes=bool(getattr(calib_ev, "resumes", False)))
+    study = open_study(config, name, prune_tokens)
     first = len(study.trials)  # this run's trials are numbered from here on
     objective = Objective(
         space,
@@ -248,7 +280,7 @@ def search(
         calib_ev,
         head_dim,
         num_layers,
-        prune_tokens=config.resolved_prune_tokens(),
+        prune_tokens=prune_tokens,
         pareto=config.pareto,
         chunk=config.chunk,
         tokens=config.tokens,
@@ -265,13 +297,15 @@ def search(
             study.enqueue_trial(p, skip_if_exists=True)
     evaluated = sum(bool(t.user_attrs.get("evaluated")) for t in done)
     cap = len(study.trials) + (config.trials - evaluated) * MAX_FREE_PER_TRIAL
+    plan = planned_trials(config, space)
 
     def after(study: optuna.Study, trial: FrozenTrial) -> None:
         nonlocal evaluated
         evaluated += bool(trial.user_attrs.get("evaluated"))
         if on_trial is not None:
             best = best_feasible(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-            on_trial(evaluated, config.trials, float(best.value) if best and best.value is not None else None)
+            planned = max(plan, evaluated)
+            on_trial(evaluated, planned, float(best.value) if best and best.value is not None else None)
         if evaluated >= config.trials or trial.number + 1 >= cap:
             study.stop()
 
@@ -334,4 +368,5 @@ def search(
         trials=study.get_trials(deepcopy=False),
         interrupted=interrupted,
         sensitivity_end=sensitivity_end,
+        prune_tokens=prune_tokens,
     )

@@ -225,12 +225,14 @@ class SearchSpace:
 
 
 # 2: a plain probe name keeps one exact first token (Scheme.sink_tokens = 1); passes cached under
-# key version 1 were made without it and are not reused
-SENSITIVITY_KEY_VERSION = 2
+# key version 1 were made without it and are not reused. 3: keyed by the tokens read, not the texts
+SENSITIVITY_KEY_VERSION = 3
 
 
 def sensitivity_key(model: str, text_sha256: str, tokens: int, probe: str, num_layers: int) -> str:
-    """Cache key of one sensitivity pass (model, text hash, tokens, probe scheme, key version)."""
+    """Cache key of one sensitivity pass (model, hash of the tokens read, tokens, probe scheme, key
+    version). Not in it: the codec's and the model's code (a change there needs ``--cache-dir``
+    elsewhere or the cached file removed)."""
     raw = json.dumps([model, text_sha256, tokens, probe, num_layers, SENSITIVITY_KEY_VERSION])
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 

@@ -119,8 +119,9 @@ def tune(
         config: the run's settings.
         factory: text -> evaluator (default: the decode-mode harness on ``config.model``).
         dims: ``(num_layers, head_dim)``; default read from the model's config.
-        on_trial: called after every trial with (evaluated trials, ``config.trials``, best
-            feasible bits so far or None): the CLI's progress bar.
+        on_trial: called after every trial with (evaluated trials, the measurements the search
+            expects to make in all (:func:`~kvarn.autotune.search.planned_trials`, raised as it
+            goes), best feasible bits so far or None): the CLI's progress bar and its ETA.
 
     ``config.trials`` counts trials that ran an evaluation; trials pruned unmeasured (they could not
     beat the best feasible bits) are free and do not count, up to
@@ -173,7 +174,7 @@ def _config_record(config: TuneConfig, run: SearchRun) -> dict[str, Any]:
         "sinks": list(run.space.sinks),
         "allow_fp16_layers": run.space.allow_fp16_layers,
         "bits_context": config.bits_context,
-        "prune_tokens": config.resolved_prune_tokens(),
+        "prune_tokens": run.prune_tokens,
         "feasibility": config.feasibility,
         "objective": config.objective,
         "confidence": CONFIDENCE,

@@ -11,6 +11,7 @@ from kvarn.autotune.allocate import AllocationSpace, Family, bisect_family, cap
 from kvarn.autotune.budget import parse_budget
 from kvarn.autotune.report import summary_table
 from kvarn.autotune.result import Outcome
+from kvarn.autotune.search import make_space
 from kvarn.autotune.tuner import TuneConfig, tune
 from kvarn.schemes import Scheme
 
@@ -77,7 +78,8 @@ def test_allocation_run_mixes_pairs_by_sensitivity_and_compares_with_builtins(tm
     # after the sensitivity probes, every measurement is a family point, and there are few of them:
     # a bisection per family at most, not a random walk
     calib = f.made[0]
-    space = AllocationSpace(NUM_LAYERS, tuple(res.ranking))
+    space = make_space(config, NUM_LAYERS, tuple(res.ranking), config.checked_group_sizes())
+    assert isinstance(space, AllocationSpace) and {f.group_size for f in space.families} == {32, 64, 128, 256}
     points = {fam.scheme(space.ranking, n).name for fam in space.families for n in range(NUM_LAYERS + 1)}
     searched = calib.calls[NUM_LAYERS:]
     assert searched and {name for name, _ in searched} <= points
@@ -85,6 +87,7 @@ def test_allocation_run_mixes_pairs_by_sensitivity_and_compares_with_builtins(tm
     # the report names the nearest built-in presets measured on the same held-out text
     refs = [r for r in res.references if r.get("builtin")]
     assert refs and all(r["heldout"]["tokens"] for r in refs)
-    assert [r["bits"] < w.bits for r in refs] == [True, False]  # the nearest below and above
+    priced = [Scheme.from_name(r["name"]).bits_per_element(HEAD_DIM, NUM_LAYERS, config.bits_context) for r in refs]
+    assert [b < w.bits for b in priced] == [True, False]  # the nearest below and above, priced as the winner
     line = next(x for x in summary_table(res).splitlines() if x.startswith("vs built-in presets"))
     assert all(r["name"] in line for r in refs)

@@ -52,7 +52,7 @@ def test_a_text_file_is_a_document_of_the_kind_named(tmp_path: Path) -> None:
 
 def _config(tmp_path: Path, budget: str = "1%", **kw: object) -> TuneConfig:
     base: dict[str, object] = dict(budget=parse_budget(budget), tokens=1024, strategy="ladder", cache_dir=tmp_path,
-                                   progress=False, compare_builtin=False)  # fmt: skip
+                                   progress=False, compare_builtin=False, search_tiles=False)  # fmt: skip
     base.update(kw)
     return TuneConfig(**base)  # type: ignore[arg-type]
 

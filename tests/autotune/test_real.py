@@ -52,3 +52,26 @@ def test_small_real_run_writes_loadable_preset(tmp_path: Path, monkeypatch: pyte
     again = PooledEvaluator("smollm2-135m", [document(HELDOUT).text], 256).evaluate("real_small", progress=False)
     assert again.kl == pytest.approx(prov["heldout"]["kl"], rel=1e-4)
     assert again.bits_per_element == pytest.approx(p.scheme.bits_per_element(64, 30, context=256), abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["kvarn_k4v3_g256_s8", "kvarn_k4v2_g128_sink"])
+def test_replayed_and_resumed_measurements_equal_the_fed_one(scheme: str) -> None:
+    """The pooled evaluator's shortcuts change no figure: chunks that read nothing quantized
+    replayed from fp16, and a prefix's measurement continued, give what feeding every chunk gives."""
+    from kvarn.autotune.corpus import document
+    from kvarn.autotune.pooled import PooledEvaluator, measure, pool
+
+    ev = PooledEvaluator("smollm2-135m", [document("gpl-3").text, document(HELDOUT).text], 512)
+    assert all(r is not None for r in ev.replays)
+    fed = pool(scheme, [measure(p, scheme)[0] for p in ev.parts], ev.chunk)  # every chunk run
+    replayed = ev.evaluate(scheme, progress=False)
+    ev.evaluate(scheme, max_tokens=384, progress=False)
+    resumed = ev.evaluate(scheme, progress=False)
+    for got in (replayed, resumed):
+        assert (got.kl, got.delta_ppl_pct, got.top1_agreement) == (fed.kl, fed.delta_ppl_pct, fed.top1_agreement)
+        assert (got.kl_ci, got.delta_ppl_pct_ci, got.bits_per_element) == (
+            fed.kl_ci,
+            fed.delta_ppl_pct_ci,
+            fed.bits_per_element,
+        )

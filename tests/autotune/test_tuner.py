@@ -20,7 +20,7 @@ DIMS = (NUM_LAYERS, HEAD_DIM)
 def _config(tmp_path: Path, budget: str = "1%", **kw: object) -> TuneConfig:
     base: dict[str, object] = dict(
         budget=parse_budget(budget), text=sample_text(), tokens=1024, trials=30, seed=3, cache_dir=tmp_path / "cache",
-        progress=False,
+        progress=False, search_tiles=False,  # the searches' mechanics on the one-tile-size space (tiles: test_tiles.py)
     )  # fmt: skip
     base.update(kw)
     return TuneConfig(**base)  # type: ignore[arg-type]
