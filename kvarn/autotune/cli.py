@@ -276,6 +276,8 @@ def _progress_bar(total: int, quiet: bool) -> tuple[Any, Any]:
     bar = tqdm(total=total, desc="kvarn-tune search", unit="trial", disable=quiet)
 
     def on_trial(evaluated: int, planned: int, best: float | None) -> None:
+        if evaluated == 0:  # the search starts (after the sensitivity pass): time it from here
+            bar.reset(total=planned)
         bar.set_postfix_str(f"best feasible {best:.4f} bits" if best is not None else "no feasible trial yet")
         bar.total = planned  # the search's estimate of its measurements: tqdm's ETA reads it
         bar.n = evaluated

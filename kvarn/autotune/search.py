@@ -298,6 +298,11 @@ def search(
     evaluated = sum(bool(t.user_attrs.get("evaluated")) for t in done)
     cap = len(study.trials) + (config.trials - evaluated) * MAX_FREE_PER_TRIAL
     plan = planned_trials(config, space)
+    if on_trial is not None:  # the sensitivity pass is over: the bar's clock starts with the search
+        resumed = best_feasible(list(done))
+        on_trial(
+            evaluated, max(plan, evaluated), float(resumed.value) if resumed and resumed.value is not None else None
+        )
 
     def after(study: optuna.Study, trial: FrozenTrial) -> None:
         nonlocal evaluated
