@@ -14,7 +14,8 @@ where the distributions differ. Per prompt and mode:
 - ppl: the perplexity of the generated tokens under the model with an unquantized cache.
 
 Each is reported as its mean over prompts with a 95% percentile-bootstrap interval over prompts
-(:func:`mean_interval`, fixed seed).
+(:func:`mean_interval`, fixed seed); the repetition also as a ratio to fp16's on the same prompts,
+with a paired interval (:func:`ratio_interval`).
 
 Decode mode, batched without padding: all prompts and both modes are one batch of ``2 x prompts``
 rows. The shortest prompt's length is fed in chunks; from there on every row takes one token per
@@ -116,6 +117,17 @@ def mean_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tu
     return float(v.mean()), lo, hi
 
 
+def ratio_interval(
+    values: Sequence[float], ref: Sequence[float], confidence: float = CONFIDENCE
+) -> tuple[float, float, float]:
+    """``(ratio, low, high)``: ``mean(values) / mean(ref)`` over the same prompts and its paired
+    percentile-bootstrap interval (each draw takes the same prompts from both)."""
+    v = torch.tensor([list(values), list(ref)], dtype=torch.float64).T  # [prompts, 2]
+    draws = block_bootstrap_means(v, 1)
+    lo, hi = interval(draws[:, 0] / draws[:, 1], confidence)
+    return float(v[:, 0].mean() / v[:, 1].mean()), lo, hi
+
+
 def top_p_sample(
     logits: torch.Tensor, u: torch.Tensor, temperature: float = TEMPERATURE, top_p: float = TOP_P
 ) -> torch.Tensor:
@@ -150,6 +162,10 @@ class FreerunResult:
     def summary(self, mode: str, metric: str) -> tuple[float, float, float]:
         """``(mean, low, high)`` of a score over prompts (:func:`mean_interval`)."""
         return mean_interval(self.scores[mode][metric])
+
+    def against(self, ref: FreerunResult, mode: str, metric: str = "repetition") -> tuple[float, float, float]:
+        """``(ratio, low, high)`` of a score's mean to ``ref``'s on the same prompts (:func:`ratio_interval`)."""
+        return ratio_interval(self.scores[mode][metric], ref.scores[mode][metric])
 
     def to_dict(self) -> dict[str, Any]:
         means = {f"{m}_{k}": list(self.summary(m, k)) for m in MODES for k in METRICS}

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvarn.eval.drift import DriftResult
-from kvarn.eval.freerun import FreerunResult
+from kvarn.eval.freerun import MODES, FreerunResult
 from kvarn.eval.harness import EvalResult
 from kvarn.eval.needle import NeedleResult
 from kvarn.hf import FP16
@@ -94,19 +94,24 @@ def format_drift_table(results: Sequence[DriftResult], markdown: bool = False) -
 
 def format_freerun_table(results: Sequence[FreerunResult], markdown: bool = False) -> str:
     """A table, one row per result: each score's mean over prompts and its 95% interval, greedy
-    (repetition, distinct-2, divergence from fp16, perplexity under the 16-bit model), then sampled."""
+    (repetition, distinct-2, divergence from fp16, perplexity under the 16-bit model), then sampled;
+    then each mode's repetition as a ratio to the fp16 row's (paired interval; ``-`` without one)."""
     cols = [("greedy", "repetition", 3), ("greedy", "distinct2", 3), ("greedy", "divergence", 1), ("greedy", "ppl", 2)]
     cols += [("sampled", "repetition", 3), ("sampled", "distinct2", 3), ("sampled", "ppl", 2)]
     short = {"repetition": "rep-4", "distinct2": "dist-2", "divergence": "diverge", "ppl": "ppl"}
-    head = ["scheme", "bits/elem", *(f"{m} {short[k]}" for m, k, _ in cols), "seconds"]
+    ratios = [f"{m} rep-4 / fp16" for m in MODES]
+    head = ["scheme", "bits/elem", *(f"{m} {short[k]}" for m, k, _ in cols), *ratios, "seconds"]
+    ref = next((r for r in results if r.scheme == FP16), None)
     rows = []
     for r in results:
-        cells = []
-        for mode, metric, digits in cols:
-            mean, lo, hi = r.summary(mode, metric)
-            cells.append(f"{mean:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]")
+        cells = [_interval(*r.summary(mode, metric), digits) for mode, metric, digits in cols]
+        cells += ["-" if ref is None or r is ref else _interval(*r.against(ref, m), 3) for m in MODES]
         rows.append([r.scheme, f"{r.bits_per_element:.3f}", *cells, f"{r.seconds:.0f}"])
     return _render(head, rows, markdown)
+
+
+def _interval(mean: float, lo: float, hi: float, digits: int) -> str:
+    return f"{mean:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
 def _kl(x: float) -> str:

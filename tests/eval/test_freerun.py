@@ -18,6 +18,7 @@ from kvarn.eval.freerun import (
     distinct,
     load_prompts,
     mean_interval,
+    ratio_interval,
     repetition,
     top_p_sample,
 )
@@ -51,6 +52,9 @@ def test_the_interval_holds_the_mean_and_is_reproducible() -> None:
     assert mean == pytest.approx(0.4) and lo < mean < hi and lo >= 0.1 and hi <= 0.9
     assert mean_interval(values) == (mean, lo, hi)
     assert mean_interval([2.0] * 5) == (2.0, 2.0, 2.0)
+    assert ratio_interval([2 * v for v in values], values) == pytest.approx((2.0, 2.0, 2.0))  # paired: exact
+    ratio, lo, hi = ratio_interval([0.5, 0.1, 0.3], [0.1, 0.5, 0.3])
+    assert ratio == pytest.approx(1.0) and lo < 1.0 < hi
 
 
 def test_the_sampler_keeps_to_the_nucleus_and_its_quantile() -> None:
@@ -104,4 +108,5 @@ def test_cli_freerun_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixtur
     (row,) = json.loads(out.read_text())
     assert row["task"] == "freerun" and row["kinds"] == ["chat", "chat"]
     assert row["mean_low_high"]["greedy_divergence"] == [6.0, 6.0, 6.0]
-    assert "greedy rep-4" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "greedy rep-4" in table and "sampled rep-4 / fp16" in table
