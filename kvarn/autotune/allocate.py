@@ -198,10 +198,16 @@ def allocate(
     bits: Callable[[Scheme], float],
     best: Callable[[], float | None],
     stopped: Callable[[], bool],
+    span: int | None = None,
 ) -> None:
     """Bisect every family in turn, each below the best feasible bits found so far (``best()``),
-    until the families are done or ``stopped()``."""
+    until the families are done or ``stopped()``.
+
+    ``span``: the layers whose precision matters, first in the ranking (a model's sliding-window
+    layers stay 16-bit whatever their pair); the bisection stops there rather than at every layer.
+    """
     for family in space.families:
         if stopped():
             return
-        bisect_family(family, cap(family, space.ranking, bits, best()), feasible)
+        top = cap(family, space.ranking, bits, best())
+        bisect_family(family, top if span is None else min(top, span), feasible)

@@ -127,6 +127,18 @@ def prefix_sha(evaluator: EvaluatorLike, tokens: int, fallback: str) -> str:
     return h.hexdigest()
 
 
+def quantized_layers(evaluator: EvaluatorLike, num_layers: int) -> set[int]:
+    """The layers the tuner's caches quantize: attention layers, but not sliding-window ones (they
+    stay 16-bit); every layer for an evaluator without a model."""
+    model_config = getattr(getattr(evaluator, "model", None), "config", None)
+    if model_config is None:
+        return set(range(num_layers))
+    from kvarn.hf import SLIDING, cache_geometry
+
+    geometry = cache_geometry(model_config)
+    return {i for i in geometry.attention_layers if geometry.layer_types[i] != SLIDING}
+
+
 def sensitivity(config: TuneConfig, evaluator: EvaluatorLike, num_layers: int, calib_sha: str) -> list[float]:
     """Per-layer KL of the probe scheme on one layer at a time, cached on disk by model, the
     tokens it reads (the first ``sensitivity_tokens`` of each calibration text: an edit further
@@ -144,15 +156,7 @@ def sensitivity(config: TuneConfig, evaluator: EvaluatorLike, num_layers: int, c
     key = sensitivity_key(config.model, read, config.sensitivity_tokens, probe.name, num_layers)
     cache = (config.cache_dir or default_cache_dir() / "sensitivity") / f"{key}.json"
 
-    model_config = getattr(getattr(evaluator, "model", None), "config", None)
-    if model_config is not None:
-        from kvarn.hf import SLIDING, cache_geometry
-
-        geometry = cache_geometry(model_config)
-        # the layers the tuner's caches quantize: attention layers, but not sliding-window ones (16-bit)
-        quantized = {i for i in geometry.attention_layers if geometry.layer_types[i] != SLIDING}
-    else:
-        quantized = set(range(num_layers))
+    quantized = quantized_layers(evaluator, num_layers)
 
     def measure(s: Scheme) -> float:
         if not any(s.for_layer(i) is not None for i in quantized):
@@ -263,10 +267,14 @@ def search(
     sens = sensitivity(config, calib_ev, num_layers, calib_sha)
     sensitivity_end = time.perf_counter()
     bits_of = layer_mix_bits(calib_ev, config.bits_context)
+    quantized = quantized_layers(calib_ev, num_layers)
+    rank = ranking(sens) if sens else ()
+    if len(quantized) < num_layers:  # the layers whose pair matters first (allocate bisects over them)
+        rank = tuple(sorted(rank or range(num_layers), key=lambda i: i not in quantized))
     space = make_space(
         config,
         num_layers,
-        ranking(sens) if sens else (),
+        rank,
         groups,
         bits_of or (lambda s: s.bits_per_element(head_dim, num_layers, config.bits_context)),
     )
@@ -352,7 +360,8 @@ def search(
     logging.getLogger(_OPTUNA_TRIAL_LOG).addFilter(quiet)
     try:
         if isinstance(space, AllocationSpace):
-            allocate(space, lambda f, n: feasible_at(space.point(f, n)), objective.bits, best_bits, stopped)
+            span = len(quantized) if len(quantized) < num_layers else None
+            allocate(space, lambda f, n: feasible_at(space.point(f, n)), objective.bits, best_bits, stopped, span)
         elif isinstance(space, LadderSpace):
             found = bisect_smallest(len(space.rungs) - 1, lambda i: feasible_at(space.point(i)))
             # the rungs just above the winner, measured too, so that the held-out check, when it

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvarn.autotune.allocate import AllocationSpace, Family, bisect_family, cap
+from kvarn.autotune.allocate import AllocationSpace, Family, allocate, bisect_family, cap
 from kvarn.autotune.budget import parse_budget
 from kvarn.autotune.report import summary_table
 from kvarn.autotune.result import Outcome
@@ -91,3 +91,16 @@ def test_allocation_run_mixes_pairs_by_sensitivity_and_compares_with_builtins(tm
     assert [b < w.bits for b in priced] == [True, False]  # the nearest below and above, priced as the winner
     line = next(x for x in summary_table(res).splitlines() if x.startswith("vs built-in presets"))
     assert all(r["name"] in line for r in refs)
+
+
+def test_the_bisection_spans_only_the_layers_whose_pair_matters() -> None:
+    """A model whose sliding layers stay 16-bit: n beyond the quantized layers changes nothing."""
+    space = AllocationSpace(NUM_LAYERS, families=(Family("k4v2", "k4v3", "log8"),))
+    asked: list[int] = []
+
+    def feasible(f: Family, n: int) -> bool:
+        asked.append(n)
+        return n >= 2
+
+    allocate(space, feasible, lambda s: s.bits_per_element(HEAD_DIM, NUM_LAYERS), lambda: None, lambda: False, 3)
+    assert asked[0] == 3 and max(asked) == 3 and 2 in asked
