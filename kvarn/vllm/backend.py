@@ -10,9 +10,9 @@ builds every device tensor of a step once (:mod:`kvarn.vllm.planner`, :mod:`kvar
 layer's forward only launches ops (:mod:`kvarn.vllm.forward`): tile-causal attention over pages,
 the step's scratch tiles and the sink pool read in place by slot id.
 
-Each impl and builder holds its engine's :class:`~kvarn.vllm.context.EngineContext` (the Scheme
-its ``kv_cache_dtype`` names, resolved once) and each impl, from its first forward, its own
-layer's scheme.
+Each impl and builder holds its engine's :class:`~kvarn.vllm.context.EngineState` (with its
+:class:`~kvarn.vllm.context.EngineSpec`: the Scheme its ``kv_cache_dtype`` names, resolved once) and
+each impl, from its first forward, its own layer's scheme.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from kvarn.schemes import Scheme
 from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
 from kvarn.vllm.admission import check_layer
-from kvarn.vllm.context import EngineContext, context_of, current_context
+from kvarn.vllm.context import EngineSpec, EngineState, current_config, engine_state
 from kvarn.vllm.forward import run_layer
 from kvarn.vllm.pages import hybrid_token_bytes, layer_page_bytes, packed_spec, page_bytes
 from kvarn.vllm.planner import StepPlanner, shared_planner
@@ -94,11 +94,11 @@ class PackedTileBackend(AttentionBackend):
         """
         if spec.state_content_bytes is not None:
             return spec
-        ctx = current_context()
-        return packed_spec(spec, ctx.scheme, cls.record_bytes(ctx, spec))
+        engine = EngineSpec.from_config(current_config())
+        return packed_spec(spec, engine.scheme, cls.record_bytes(engine, spec))
 
     @classmethod
-    def record_bytes(cls, ctx: EngineContext, spec: AttentionSpec) -> int:
+    def record_bytes(cls, engine: EngineSpec, spec: AttentionSpec) -> int:
         """Bytes of the page of a spec of no particular layer."""
         raise NotImplementedError
 
@@ -109,9 +109,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[StepTensors]):
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.ctx = context_of(vllm_config)
-        self.planner = shared_planner(self.ctx, kv_cache_spec.block_size, layer_names, StepPlanner)
-        self.scheme = self.ctx.scheme
+        self.state = engine_state(vllm_config)
+        self.planner = shared_planner(self.state, kv_cache_spec.block_size, layer_names, StepPlanner)
+        self.scheme = self.state.spec.scheme
 
     @property
     def sinks(self) -> SinkPool | None:
@@ -153,14 +153,15 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
             sinks=kwargs.get("sinks"),
             attn_type=attn_type,
         )
-        self.ctx: EngineContext = context_of(get_current_vllm_config())
-        self.scheme = self.ctx.scheme
-        page_bytes(self.scheme, head_size, self.ctx.num_layers)  # raises if no layer has a kvarn page
+        self.state: EngineState = engine_state(get_current_vllm_config(), create=True)
+        self.spec = self.state.spec
+        self.scheme = self.spec.scheme
+        page_bytes(self.scheme, head_size, self.spec.num_layers)  # raises if no layer has a kvarn page
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.layer_scheme: Scheme | None = None
-        self.ops = self.ctx.ops
+        self.ops = self.spec.ops
         # partial tiles wait in the requests' own tail blocks (kvarn.vllm.tail); exact first tokens in a sink pool
         self.sink: Pool | None = None
         self.allocated = False
@@ -170,10 +171,10 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
         it against it (vLLM calls this when the model's weights are loaded)."""
         if self.allocated:
             return
-        ctx, h, d = self.ctx, self.num_kv_heads, self.head_size
-        if ctx.sink_capacity:
-            self.sink = zeros_pool(ctx.slots, h, ctx.sink_capacity, d, ctx.dtype, ctx.device)
-        ctx.reserve(pool_bytes(self.scheme, h, d, ctx.dtype, ctx.slots))
+        spec, h, d = self.spec, self.num_kv_heads, self.head_size
+        if spec.sink_capacity:
+            self.sink = zeros_pool(spec.slots, h, spec.sink_capacity, d, spec.dtype, spec.device)
+        self.state.reserve(pool_bytes(self.scheme, h, d, spec.dtype, spec.slots))
         self.allocated = True
 
     def layer_spec(self, spec: AttentionSpec, layer_name: str) -> AttentionSpec:
@@ -183,7 +184,7 @@ class KvarnAttentionImpl(AttentionImpl):  # type: ignore[type-arg]
 
     def _layer_scheme(self, layer: Any) -> Scheme:
         if self.layer_scheme is None:
-            s = self.ctx.layer_scheme(extract_layer_index(layer.layer_name))
+            s = self.spec.layer_scheme(extract_layer_index(layer.layer_name))
             if s is None:  # the plugin gives such layers to vLLM's own cache; kept for safety
                 raise ValueError(f"{self.scheme.name}: layer {layer.layer_name} is unquantized")
             self.layer_scheme = s
@@ -237,9 +238,9 @@ class KvarnAttentionBackend(PackedTileBackend):
         return attn_type == AttentionType.DECODER
 
     @classmethod
-    def record_bytes(cls, ctx: EngineContext, spec: AttentionSpec) -> int:
+    def record_bytes(cls, engine: EngineSpec, spec: AttentionSpec) -> int:
         """The widest layer's page."""
-        return page_bytes(ctx.scheme, spec.head_size, ctx.num_layers)
+        return page_bytes(engine.scheme, spec.head_size, engine.num_layers)
 
 
 def _smallest_block(backend: Any) -> int:
@@ -266,7 +267,7 @@ def shared_page(vllm_config: VllmConfig) -> int | None:
     ]
     if not kvarn or not sliding:
         return None
-    widest = max(a.num_kv_heads * page_bytes(a.impl.scheme, a.head_size, a.impl.ctx.num_layers) for a in kvarn)
+    widest = max(a.num_kv_heads * page_bytes(a.impl.scheme, a.head_size, a.impl.spec.num_layers) for a in kvarn)
     per_block = max(
         a.num_kv_heads
         * (a.head_size + a.head_size_v)
@@ -280,8 +281,8 @@ def shared_page(vllm_config: VllmConfig) -> int | None:
 def hybrid_probe(vllm_config: VllmConfig) -> type[AttentionBackend]:
     """The backend vLLM's hybrid block-size alignment should ask: kvarn's, with a page of one token of
     :func:`hybrid_token_bytes` and the tile as its only kernel block size."""
-    ctx = EngineContext.from_config(vllm_config)
-    token, tile = hybrid_token_bytes(ctx), ctx.group_size
+    engine = EngineSpec.from_config(vllm_config)
+    token, tile = hybrid_token_bytes(engine), engine.group_size
 
     class HybridProbe(KvarnAttentionBackend):
         @classmethod

@@ -1,12 +1,21 @@
-"""One engine's kvarn context: its preset resolved once, and everything its kvarn layers share.
+"""One engine's kvarn spec and state: its preset resolved once, and what its kvarn layers share.
+
+Two objects, as vLLM's own backends split a plan from its buffers:
+
+- :class:`EngineSpec` (frozen): what an engine configuration fixes: the ``kv_cache_dtype``
+  resolved into its Scheme and per-layer schemes, the model's shape, the tail layout, the pool
+  slots and sink capacity, the attention ops. Anyone may build it (:meth:`EngineSpec.from_config`):
+  the front end to admit the model, a class method of a backend, a tool.
+- :class:`EngineState`: what one running engine accumulates: the blocks its live requests hold,
+  the bytes of the pools its layers allocated, its shared step planner, the runner's kvarn groups.
+  One per engine, held by the engine's kvarn attention layers.
 
 vLLM builds kvarn's attention impls, metadata builders and backends itself, by class, handing them
-only the engine's ``VllmConfig`` (as an argument, or through ``get_current_vllm_config``). Each asks
-:func:`context_of` for the engine's :class:`EngineContext`: the ``kv_cache_dtype`` resolved into
-its Scheme and per-layer schemes, the model's shape, the tail layout, the pool slots and sink
-capacity, the attention ops, and the engine's state (the blocks its live requests hold, the bytes
-of the pools its layers allocated, its shared step planner). The front end builds one too
-(:meth:`EngineContext.from_config`) to admit the model.
+only the engine's ``VllmConfig``. The engine's own registry of its layers
+(``compilation_config.static_forward_context``, which vLLM's builders read through
+``get_layers_from_vllm_config``) is where they meet: the first kvarn impl built creates the
+engine's :class:`EngineState` and every later impl, builder, runner patch and connector takes it
+from a kvarn layer there (:func:`engine_state`). No table of engines, no "last engine built".
 """
 
 from __future__ import annotations
@@ -30,9 +39,9 @@ if TYPE_CHECKING:
     from kvarn.vllm.tail import TailLayout
 
 
-@dataclass(eq=False)
-class EngineContext:
-    """What every kvarn part of one engine receives: built once from its configuration.
+@dataclass(frozen=True, eq=False)
+class EngineSpec:
+    """What an engine configuration fixes for kvarn: built from it alone, the same every time.
 
     Attributes:
         name: the ``kv_cache_dtype``; scheme: its Scheme (each layer's own: :meth:`layer_scheme`).
@@ -45,12 +54,8 @@ class EngineContext:
         latent: an MLA model's ``(kv_lora_rank, qk_rope_head_dim)``, else None.
         max_rollback: the most tokens a step may roll back (speculative tokens per step).
         ops: the attention ops every layer launches.
-        live: the blocks live requests hold, published every step (:mod:`kvarn.vllm.live`).
-        pools: bytes and layers of the pools this engine's layers allocated.
-        planner: the step planner its metadata builders share (:func:`kvarn.vllm.planner.shared_planner`).
     """
 
-    vllm_config: Any = field(repr=False)
     name: str
     scheme: Scheme
     num_layers: int
@@ -66,13 +71,10 @@ class EngineContext:
     latent: tuple[int, int] | None
     max_rollback: int
     ops: AttentionOps
-    live: LiveBlocks = field(default_factory=LiveBlocks)
-    pools: PoolTotals = field(default_factory=PoolTotals)
-    planner: object | None = None
 
     @classmethod
-    def from_config(cls, vllm_config: Any, settings: PluginSettings = SETTINGS) -> EngineContext:
-        """The context of an engine configuration whose ``kv_cache_dtype`` is a kvarn name.
+    def from_config(cls, vllm_config: Any, settings: PluginSettings = SETTINGS) -> EngineSpec:
+        """The spec of an engine configuration whose ``kv_cache_dtype`` is a kvarn name.
 
         Raises:
             UnknownSchemeError, PresetError: the name resolves to no scheme.
@@ -96,7 +98,6 @@ class EngineContext:
         except ValueError:
             raise ValueError(f"KVARN_OPS={settings.ops!r} is not one of: triton, cpu (or unset: by device)") from None
         return cls(
-            vllm_config=vllm_config,
             name=name,
             scheme=scheme,
             num_layers=int(model.get_num_layers(parallel)),
@@ -112,7 +113,6 @@ class EngineContext:
             latent=latent,
             max_rollback=int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0,
             ops=ops,
-            live=LiveBlocks(uncache=LostSinks(path).mark if (path := channel_path(vllm_config)) else None),
         )
 
     def layer_scheme(self, layer: int) -> Scheme | None:
@@ -173,6 +173,40 @@ class EngineContext:
                 f"block_size={block_size}; pass block_size={t} (--block-size {t}) or leave it unset"
             )
 
+
+Groups = list[tuple[int, int, int, int]]  # (group index, block size, tile, stride): kvarn.vllm.live.kvarn_groups
+
+
+@dataclass(eq=False)
+class EngineState:
+    """What one engine's kvarn parts share while it runs: one per engine, created by its first kvarn
+    attention impl (:func:`engine_state`) and held by every kvarn layer's impl (``impl.state``).
+
+    Attributes:
+        spec: the engine's :class:`EngineSpec`; vllm_config: its configuration.
+        live: the blocks live requests hold, published every step (:mod:`kvarn.vllm.live`).
+        pools: bytes and layers of the pools this engine's layers allocated.
+        planner: the step planner its metadata builders share (:func:`kvarn.vllm.planner.shared_planner`).
+        groups: the model runner's kvarn KV-cache groups and the ``kv_cache_config`` they were read
+            from (:func:`kvarn.vllm.live.kvarn_groups`); None until read.
+        preempted: requests preempted and not scheduled since (:func:`kvarn.vllm.live.publish`).
+    """
+
+    spec: EngineSpec
+    vllm_config: Any = field(repr=False)
+    live: LiveBlocks = field(default_factory=LiveBlocks)
+    pools: PoolTotals = field(default_factory=PoolTotals)
+    planner: object | None = None
+    groups: tuple[Any, Groups] | None = None
+    preempted: set[str] = field(default_factory=set)
+
+    @classmethod
+    def from_config(cls, vllm_config: Any, settings: PluginSettings = SETTINGS) -> EngineState:
+        """A new engine's state (its spec: :meth:`EngineSpec.from_config`, same errors)."""
+        path = channel_path(vllm_config)
+        live = LiveBlocks(uncache=LostSinks(path).mark if path else None)
+        return cls(spec=EngineSpec.from_config(vllm_config, settings), vllm_config=vllm_config, live=live)
+
     def reserve(self, nbytes: int) -> None:
         """Count ``nbytes`` of one layer's pools against the KV cache memory: an explicit
         ``kv_cache_memory_bytes`` shrinks by it (vLLM's profiling counts allocated pools by itself otherwise).
@@ -188,36 +222,40 @@ class EngineContext:
         left = int(cache.kv_cache_memory_bytes) - nbytes
         if left <= 0:
             raise ValueError(
-                f"kv_cache_dtype={self.name!r}: the sink pools for max_num_seqs={self.max_num_seqs} need "
-                f"{self.pools.bytes / 2**20:.1f} MiB so far, more than the KV cache memory left "
+                f"kv_cache_dtype={self.spec.name!r}: the sink pools for max_num_seqs={self.spec.max_num_seqs} "
+                f"need {self.pools.bytes / 2**20:.1f} MiB so far, more than the KV cache memory left "
                 f"({(left + nbytes) / 2**20:.1f} MiB); lower max_num_seqs or give more KV memory"
             )
         cache.kv_cache_memory_bytes = left
 
 
-# vLLM hands kvarn's impls, builders and backends only the engine's configuration (they are built by
-# class, through AttentionBackend.get_impl_cls / get_builder_cls and customize_spec): the context is
-# found by it. id(config) -> (config, context); the config is held so that its id is not reused.
-_ENGINES: dict[int, tuple[Any, EngineContext]] = {}
+def engine_state(vllm_config: Any, create: bool = False) -> EngineState:
+    """The state of the engine ``vllm_config`` configures, held by its kvarn attention layers.
 
-
-def context_of(vllm_config: Any) -> EngineContext:
-    """The context of the engine ``vllm_config`` configures, built on first use."""
-    held = _ENGINES.get(id(vllm_config))
-    if held is not None and held[0] is vllm_config:
-        return held[1]
-    ctx = EngineContext.from_config(vllm_config)
-    _ENGINES.pop(id(vllm_config), None)  # a reused id: the new engine goes last (current_context)
-    _ENGINES[id(vllm_config)] = (vllm_config, ctx)
-    return ctx
-
-
-def current_context() -> EngineContext:
-    """The context of the engine being set up (``get_current_vllm_config``), else of the engine
-    whose context this process built last: for vLLM calls that name no engine (``customize_spec``).
+    vLLM registers each attention layer of an engine in ``compilation_config.static_forward_context``
+    when it is built; the first registered layer whose impl holds a state gives it. ``create``: for
+    an impl being built (its own layer is not registered yet): a new state when no layer holds one.
 
     Raises:
-        RuntimeError: no kvarn engine in this process.
+        RuntimeError: no kvarn layer of this engine holds a state and ``create`` is false.
+    """
+    for layer in vllm_config.compilation_config.static_forward_context.values():
+        state = getattr(getattr(layer, "impl", None), "state", None)
+        if isinstance(state, EngineState):
+            return state
+    if create:
+        return EngineState.from_config(vllm_config)
+    raise RuntimeError(
+        f"kvarn {vllm_config.cache_config.cache_dtype}: no kvarn attention layer of this engine was built yet"
+    )
+
+
+def current_config() -> Any:
+    """The configuration of the engine being set up (``get_current_vllm_config``): for vLLM calls
+    that name no engine (a backend's ``customize_spec``).
+
+    Raises:
+        RuntimeError: no engine with a kvarn ``kv_cache_dtype`` is being set up.
     """
     from vllm.config import get_current_vllm_config
 
@@ -225,11 +263,9 @@ def current_context() -> EngineContext:
         config = get_current_vllm_config()
     except AssertionError:  # no current config (vLLM asserts)
         config = None
-    if config is not None and DTYPES.is_kvarn(getattr(config.cache_config, "cache_dtype", None)):
-        return context_of(config)
-    if not _ENGINES:
-        raise RuntimeError("kvarn: no kvarn attention layer was built in this process")
-    return next(reversed(_ENGINES.values()))[1]
+    if config is None or not DTYPES.is_kvarn(getattr(config.cache_config, "cache_dtype", None)):
+        raise RuntimeError("kvarn: asked for the engine being set up, but no kvarn engine is (no current vLLM config)")
+    return config
 
 
 def tail_counted(vllm_config: Any) -> bool:
@@ -243,8 +279,8 @@ def tail_counted(vllm_config: Any) -> bool:
 
 
 def layout_for(vllm_config: Any) -> TailLayout | None:
-    """The tail layout of an engine configuration (:attr:`EngineContext.layout`); None for a dtype
+    """The tail layout of an engine configuration (:attr:`EngineSpec.layout`); None for a dtype
     that is not kvarn's or a configuration without a model."""
     if vllm_config.model_config is None or not DTYPES.is_kvarn(vllm_config.cache_config.cache_dtype):
         return None
-    return EngineContext.from_config(vllm_config).layout
+    return EngineSpec.from_config(vllm_config).layout

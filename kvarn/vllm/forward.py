@@ -3,7 +3,7 @@
 No loop over requests, no host synchronisation, no tensor built from Python lists. Partial tiles
 are read by slot id from the step's scratch tiles, loaded from the requests' tail pages
 (:mod:`kvarn.vllm.tail`); sink slots from the sink pool. The ops are the engine's
-:class:`~kvarn.kernels.api.AttentionOps` (:attr:`kvarn.vllm.context.EngineContext.ops`), over one
+:class:`~kvarn.kernels.api.AttentionOps` (:attr:`kvarn.vllm.context.EngineSpec.ops`), over one
 :class:`~kvarn.kernels.api.PagedContext` per layer and step. Tiles are stored without the NaN check
 of ``check_finite`` (a host sync per layer).
 """

@@ -4,7 +4,7 @@ The model runner knows, for every request it holds, its block ids and ``num_comp
 attention metadata builder sees only the requests scheduled in the step. :func:`publish` runs after
 the runner's ``_update_states`` (at the start of every step, before the metadata is built:
 :func:`kvarn.vllm.patches.patch_update_states`) and fills the engine's
-:class:`~kvarn.vllm.staging.LiveBlocks` (:attr:`kvarn.vllm.context.EngineContext.live`) with
+:class:`~kvarn.vllm.staging.LiveBlocks` (:attr:`kvarn.vllm.context.EngineState.live`) with
 ``first``, each live request's first block (the key of its sink slot).
 
 Only the KV-cache groups that hold kvarn layers are read, each at its own block size: a model with
@@ -25,22 +25,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvarn.vllm.staging import LiveBlocks
+from kvarn.vllm.context import EngineState, Groups
 
 
-def kvarn_groups(runner: Any) -> list[tuple[int, int, int, int]]:
+def kvarn_groups(runner: Any, state: EngineState) -> Groups:
     """``(group index, block size, tile, stride)`` of the runner's KV-cache groups that hold kvarn layers.
 
     Every group has its own block size (a sliding-window group of vLLM's own cache may use 32-token
     blocks beside kvarn's 128-token tiles) and its own block ids in ``req.block_ids[group]``; the
-    sink pool keys on kvarn blocks only. Cached on the runner per ``kv_cache_config``.
+    sink pool keys on kvarn blocks only. Cached in the engine's ``state`` per ``kv_cache_config``.
     Before the KV cache exists (no ``kv_cache_config``): group 0 at the configured block size.
     ``tile``: the kernel block size the kvarn backend sees (the block size unless vLLM splits blocks
     into kernel blocks); ``stride``: kernel block ids per block (kernel block ``j`` of block ``b`` is
     ``b * stride + j``; 1 without a split).
     """
     config = getattr(runner, "kv_cache_config", None)
-    cached = runner.__dict__.get("_kvarn_groups")
+    cached = state.groups
     if cached is not None and cached[0] is config:
         return list(cached[1])
     if config is None:
@@ -58,19 +58,20 @@ def kvarn_groups(runner: Any) -> list[tuple[int, int, int, int]]:
         stride = int(getattr(attn[0], "kernel_block_stride", 0) or size // tile) if attn else 1
         groups.append((i, size, tile, stride))
     if getattr(runner, "kv_caches", None):  # bound: vLLM has set its kernel block strides
-        runner.__dict__["_kvarn_groups"] = (config, groups)
+        state.groups = (config, groups)
     return groups
 
 
-def publish(runner: Any, scheduler_output: Any, live: LiveBlocks) -> None:
-    """Fill ``live`` from a model runner's requests after it applied ``scheduler_output``.
+def publish(runner: Any, scheduler_output: Any, state: EngineState) -> None:
+    """Fill the engine's live blocks (``state.live``) from a model runner's requests after it applied
+    ``scheduler_output``.
 
     Only the groups of kvarn layers count, each at its own block size (:func:`kvarn_groups`)."""
-    preempted: set[str] = runner.__dict__.setdefault("_kvarn_preempted", set())
+    preempted = state.preempted
     preempted |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
     preempted -= set(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
     preempted &= set(runner.requests)
-    groups = kvarn_groups(runner)
+    groups = kvarn_groups(runner, state)
     first: set[int] = set()
     for rid, req in runner.requests.items():
         if rid in preempted:
@@ -78,4 +79,4 @@ def publish(runner: Any, scheduler_output: Any, live: LiveBlocks) -> None:
         for g, _, _, stride in groups:
             if g < len(req.block_ids) and (ids := req.block_ids[g]):
                 first.add(ids[0] * stride)
-    live.first = first
+    state.live.first = first

@@ -41,7 +41,7 @@ from vllm.model_executor.layers.attention.mla_attention import (  # isort: skip
 
 from kvarn.codec.latent import dequantize_latent, quantize_latent, rope_dtype
 from kvarn.vllm.backend import PackedTileBackend
-from kvarn.vllm.context import EngineContext, context_of, current_context, tail_counted
+from kvarn.vllm.context import EngineSpec, EngineState, current_config, engine_state, tail_counted
 from kvarn.vllm.forward import gather_full_tiles, write_rows
 from kvarn.vllm.planner import Planner, shared_planner
 from kvarn.vllm.step import StepTensors, Writes
@@ -111,7 +111,7 @@ class KvarnMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata[Any]]):
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.planner = shared_planner(context_of(vllm_config), kv_cache_spec.block_size, layer_names, MLAPlanner)
+        self.planner = shared_planner(engine_state(vllm_config), kv_cache_spec.block_size, layer_names, MLAPlanner)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -135,12 +135,13 @@ class KvarnMLAImpl(CPUMLAImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.ctx: EngineContext = context_of(get_current_vllm_config())
-        self.scheme = self.ctx.scheme
+        self.state: EngineState = engine_state(get_current_vllm_config(), create=True)
+        self.spec = self.state.spec
+        self.scheme = self.spec.scheme
         self.width = self.kv_lora_rank + self.qk_rope_head_dim
-        self.rope_type = rope_dtype(self.ctx.dtype)
-        self.nbytes = self.ctx.record_bytes
-        self.layout = self.ctx.layout
+        self.rope_type = rope_dtype(self.spec.dtype)
+        self.nbytes = self.spec.record_bytes
+        self.layout = self.spec.layout
         self.sink: torch.Tensor | None = None  # [slots, capacity, L + R] for schemes with a sink
         self.allocated = False
 
@@ -150,10 +151,10 @@ class KvarnMLAImpl(CPUMLAImpl):
         super().process_weights_after_loading(act_dtype)
         if self.allocated:
             return
-        ctx, cap = self.ctx, self.ctx.sink_capacity
+        spec, cap = self.spec, self.spec.sink_capacity
         if cap:
-            self.sink = torch.zeros(ctx.slots, cap, self.width, dtype=ctx.dtype, device=ctx.device)
-        ctx.reserve(ctx.slots * cap * self.width * ctx.dtype.itemsize)
+            self.sink = torch.zeros(spec.slots, cap, self.width, dtype=spec.dtype, device=spec.device)
+        self.state.reserve(spec.slots * cap * self.width * spec.dtype.itemsize)
         self.allocated = True
 
     # ---- store ---------------------------------------------------------------------------------
@@ -242,11 +243,11 @@ class KvarnMLABackend(PackedTileBackend, CPUMLABackend):
         """The packed spec (:meth:`PackedTileBackend.customize_spec`) as a
         :class:`kvarn.vllm.tail.TailMLASpec`: each request holds its tail's lookahead blocks."""
         packed = super().customize_spec(spec)
-        ctx = current_context()
-        counted = tail_counted(ctx.vllm_config)
-        return with_tail(packed, ctx.layout, ctx.vllm_config, counted=counted)  # type: ignore[no-any-return]
+        config = current_config()
+        layout = EngineSpec.from_config(config).layout
+        return with_tail(packed, layout, config, counted=tail_counted(config))  # type: ignore[no-any-return]
 
     @classmethod
-    def record_bytes(cls, ctx: EngineContext, spec: AttentionSpec) -> int:
-        """The record of one tile at the MLA layers' widths (:attr:`EngineContext.record_bytes`)."""
-        return ctx.record_bytes
+    def record_bytes(cls, engine: EngineSpec, spec: AttentionSpec) -> int:
+        """The record of one tile at the MLA layers' widths (:attr:`EngineSpec.record_bytes`)."""
+        return engine.record_bytes

@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from kvarn.schemes import Scheme
 from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
-from kvarn.vllm.context import EngineContext
+from kvarn.vllm.context import EngineSpec
 
 
 def layer_page_bytes(scheme: Scheme, head_dim: int, layer: int) -> int:
@@ -58,7 +58,7 @@ def packed_spec(spec: AttentionSpec, scheme: Scheme, content_bytes: int) -> Atte
     return replace(spec, dtype=torch.uint8, state_content_bytes=content_bytes, tokens_per_state=scheme.group_size)
 
 
-def hybrid_token_bytes(ctx: EngineContext) -> int:
+def hybrid_token_bytes(spec: EngineSpec) -> int:
     """Bytes per token of the widest kvarn page in a hybrid (Mamba / linear-attention) model, rounded up.
 
     vLLM sizes a hybrid model's attention blocks so that one attention page holds at least one Mamba
@@ -69,5 +69,5 @@ def hybrid_token_bytes(ctx: EngineContext) -> int:
     not divide, or that differ between layers, since vLLM cannot split padded blocks into one-tile
     kernel blocks.
     """
-    page = ctx.num_kv_heads * page_bytes(ctx.scheme, ctx.head_dim, ctx.num_layers)
-    return -(-page // ctx.group_size)
+    page = spec.num_kv_heads * page_bytes(spec.scheme, spec.head_dim, spec.num_layers)
+    return -(-page // spec.group_size)

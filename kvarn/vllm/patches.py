@@ -24,7 +24,7 @@ import torch
 
 from kvarn.schemes import PresetError, UnknownSchemeError
 from kvarn.vllm import admission
-from kvarn.vllm.context import EngineContext, context_of, tail_counted
+from kvarn.vllm.context import EngineSpec, engine_state, layout_for, tail_counted
 from kvarn.vllm.registry import DTYPES, is_kvarn_dtype, vllm_dtypes
 
 logger = logging.getLogger("kvarn.vllm")
@@ -124,9 +124,9 @@ def patch_create_engine_config(engine_args: Any, resolve: Resolver) -> None:
         _resolve_args(self, resolve)
         config = original(self, *args, **kwargs)
         if is_kvarn_dtype(config.cache_config.cache_dtype):
-            ctx = EngineContext.from_config(config)
-            admission.check_model(ctx, config)
-            admission.keep_16bit_layers(config, ctx.scheme)
+            spec = EngineSpec.from_config(config)
+            admission.check_model(spec, config)
+            admission.keep_16bit_layers(config, spec.scheme)
         return config
 
     engine_args.create_engine_config = create_engine_config
@@ -274,8 +274,8 @@ def patch_attention_kv_cache_spec(attention: Any) -> None:
             spec = self.impl.layer_spec(spec, self.layer_name)
             if shared is not None and shared > spec.page_size_bytes:
                 spec = dataclasses.replace(spec, page_size_padded=shared)
-        ctx = context_of(vllm_config) if vllm_config.model_config is not None else None
-        return spec if ctx is None else with_tail(spec, ctx.layout, vllm_config, counted=tail_counted(vllm_config))
+        layout = layout_for(vllm_config)
+        return spec if layout is None else with_tail(spec, layout, vllm_config, counted=tail_counted(vllm_config))
 
     attention.get_kv_cache_spec = get_kv_cache_spec
 
@@ -301,11 +301,11 @@ def patch_update_states(runner: Any) -> None:
             return result
         from kvarn.vllm import live
 
-        blocks = context_of(config).live  # the engine's, which its planner's sink pool reads
+        state = engine_state(config)  # the engine's, whose live blocks its planner's sink pool reads
         try:
-            live.publish(self, scheduler_output, blocks)
+            live.publish(self, scheduler_output, state)
         except AttributeError:  # a runner without these fields
-            blocks.first = None
+            state.live.first = None
         return result
 
     runner._update_states = _update_states

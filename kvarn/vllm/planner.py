@@ -5,7 +5,7 @@ each with its own builder, all called every step with the same ``CommonAttention
 tail moves, scratch tiles and sink slots are the same for every layer, so the first builder of a
 step plans them and the others reuse its :class:`~kvarn.vllm.step.StepTensors` (planning twice
 would advance the sink pool twice). :func:`shared_planner` hands every builder of one engine the same planner, held by its
-:class:`~kvarn.vllm.context.EngineContext`: a :class:`StepPlanner` for the standard backend, a
+:class:`~kvarn.vllm.context.EngineState`: a :class:`StepPlanner` for the standard backend, a
 :class:`kvarn.vllm.mla.MLAPlanner` for MLA.
 """
 
@@ -18,7 +18,7 @@ import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from kvarn.schemes import Scheme
-from kvarn.vllm.context import EngineContext
+from kvarn.vllm.context import EngineState
 from kvarn.vllm.pools import sink_capacity
 from kvarn.vllm.sinks import SinkPool
 from kvarn.vllm.staging import LiveBlocks, RequestPlan
@@ -125,39 +125,40 @@ class StepPlanner(Planner[StepTensors]):
 P = TypeVar("P", bound=Planner[Any])
 
 
-def shared_planner(ctx: EngineContext, block_size: int, layer_names: list[str], factory: type[P]) -> P:
+def shared_planner(state: EngineState, block_size: int, layer_names: list[str], factory: type[P]) -> P:
     """The planner the kvarn layers of one engine share (made by the first metadata builder; a new
     one when builders are made anew for a new KV cache), logging the pools' size when made.
 
     Raises:
         ValueError: the builder's ``block_size`` is not one tile of the engine's scheme.
     """
-    ctx.check_block_size(block_size)
+    spec = state.spec
+    spec.check_block_size(block_size)
     names = set(layer_names)
-    shared = ctx.planner
+    shared = state.planner
     if type(shared) is factory and isinstance(shared, factory) and not names & shared.layers:
         shared.layers |= names
         return shared
-    scheme, layout = ctx.scheme, ctx.layout
-    planner = factory(scheme, ctx.slots, layout, ctx.live)
+    scheme, layout = spec.scheme, spec.layout
+    planner = factory(scheme, spec.slots, layout, state.live)
     planner.layers |= names
-    ctx.planner = planner
-    cap = ctx.sink_capacity
+    state.planner = planner
+    cap = spec.sink_capacity
     what = "the first tile (16-bit)" if scheme.sink_tile else f"the first {cap} token(s)"
-    blocks = int(ctx.vllm_config.cache_config.block_size or block_size)  # vLLM's: several tiles in a hybrid
-    cfg = ctx.vllm_config
+    blocks = int(state.vllm_config.cache_config.block_size or block_size)  # vLLM's: several tiles in a hybrid
+    cfg = state.vllm_config
     max_len = getattr(cfg.model_config, "max_model_len", None) if cfg.model_config is not None else None
     num_blocks = getattr(cfg.cache_config, "num_gpu_blocks", None)  # set by the worker before the KV cache
-    logger.warning("kvarn %s: %s", scheme.name, describe(layout, ctx.tile_bytes, blocks, max_len, num_blocks))
+    logger.warning("kvarn %s: %s", scheme.name, describe(layout, spec.tile_bytes, blocks, max_len, num_blocks))
     if cap:
         logger.warning(
             "kvarn %s: exact copies of %s: %d slots per layer (max(max_num_seqs=%d, KVARN_STAGING_SLOTS)) = %.1f MiB "
             "over %d layers, allocated before the KV cache and counted against its memory",
             scheme.name,
             what,
-            ctx.slots,
-            ctx.max_num_seqs,
-            ctx.pools.bytes / 2**20,
-            ctx.pools.layers,
+            spec.slots,
+            spec.max_num_seqs,
+            state.pools.bytes / 2**20,
+            state.pools.layers,
         )
     return planner

@@ -6,7 +6,7 @@ for schemes with a sink. (Partial tiles wait in the requests' own tail blocks, :
 not in a pool.) The attention impls of :mod:`kvarn.vllm.backend` and :mod:`kvarn.vllm.mla`
 allocate the sink pool once their layer's weights are loaded (``process_weights_after_loading``),
 before vLLM measures memory for the KV cache, and count it against it
-(:meth:`kvarn.vllm.context.EngineContext.reserve`).
+(:meth:`kvarn.vllm.context.EngineState.reserve`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Both are process-wide because vLLM's plugin hook forces it: the ``vllm.general_p
 (:func:`kvarn.vllm.plugin.register`) takes no arguments and returns nothing, and vLLM validates a
 ``kv_cache_dtype`` against process-wide lists. The entry point fills :data:`DTYPES` (at plugin load,
 and through ``resolve_dtype`` for names resolved later) and :data:`SETTINGS` (from the environment);
-an engine's :class:`~kvarn.vllm.context.EngineContext` reads both once, when it is built.
+an engine's :class:`~kvarn.vllm.context.EngineSpec` reads both once, when it is built.
 """
 
 from __future__ import annotations

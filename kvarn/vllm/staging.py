@@ -18,7 +18,7 @@ from dataclasses import dataclass
 @dataclass
 class LiveBlocks:
     """The blocks live requests hold in one engine, refreshed every step by
-    :func:`kvarn.vllm.live.publish` (one per :class:`~kvarn.vllm.context.EngineContext`).
+    :func:`kvarn.vllm.live.publish` (one per :class:`~kvarn.vllm.context.EngineState`).
 
     ``first``: each live request's first block (the keys of :class:`kvarn.vllm.sinks.SinkPool`). None
     until published: every block then counts as possibly live.

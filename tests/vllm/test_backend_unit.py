@@ -216,8 +216,11 @@ def test_impl_and_builder_in_a_vllm_config(tmp_path: Any, monkeypatch: pytest.Mo
     assert impl.sink[0].dtype == dtype
     assert config.cache_config.kv_cache_memory_bytes == 2**24 - pool_bytes(scheme, h, d, dtype, 3)
     assert pool_bytes(scheme, h, d, dtype, 3) == 2 * 3 * h * 1 * d * 2
+    layer = "model.layers.0.self_attn.attn"
+    config.compilation_config.static_forward_context[layer] = SimpleNamespace(impl=impl)  # as vLLM's Attention does
     spec = SimpleNamespace(block_size=128)
-    builder = KvarnMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], config, torch.device("cpu"))
+    builder = KvarnMetadataBuilder(spec, [layer], config, torch.device("cpu"))
+    assert builder.state is impl.state and impl.state.planner is builder.planner  # the engine's one state
     layout = builder.planner.layout
     assert layout is not None and (layout.rows_per_page, layout.blocks) == (scheme.tile_bytes(d) // (4 * d), 5)
     layer = SimpleNamespace(layer_name="model.layers.0.self_attn.attn")

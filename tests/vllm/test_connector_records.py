@@ -220,7 +220,8 @@ def _worker(tmp_path: Path, slots: int, live: set[int]) -> tuple[object, torch.T
     sinks = SinkPool(num_slots=slots, capacity=1, block_size=TILE, live=LiveBlocks(first=live))
     for b in sorted(live):
         sinks.adopt(b)
-    impl = SimpleNamespace(ctx=SimpleNamespace(planner=SimpleNamespace(sinks=sinks), layout=layout), sink=sink)
+    state = SimpleNamespace(planner=SimpleNamespace(sinks=sinks), spec=SimpleNamespace(layout=layout))
+    impl = SimpleNamespace(state=state, sink=sink)
     conn = object.__new__(KvarnStorageConnector)
     conn.group_size, conn.sink_rows = TILE, 1
     conn._store = RecordStore(tmp_path, ID)

@@ -42,23 +42,24 @@ def test_publish_reads_kvarn_groups_at_their_own_block_size() -> None:
     replaced by the null block 0), group 1 the kvarn layer (128-token tiles). A request whose kvarn
     blocks are [5, 6] has first block 5; its sliding blocks are no sink keys."""
     from kvarn.vllm import live
-    from kvarn.vllm.staging import LiveBlocks
+    from kvarn.vllm.context import EngineState
 
-    published = LiveBlocks()
+    state = EngineState(spec=None, vllm_config=None)  # type: ignore[arg-type]  # its live blocks only
+    published = state.live
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
     req = SimpleNamespace(num_computed_tokens=150, block_ids=([0, 0, 0, 17, 18], [5, 6]))
     runner = _runner([(32, names[:5]), (128, names[5:])], {"a": req})
-    live.publish(runner, SimpleNamespace(), published)
-    assert live.kvarn_groups(runner) == [(1, 128, 128, 1)]
+    live.publish(runner, SimpleNamespace(), state)
+    assert live.kvarn_groups(runner, state) == [(1, 128, 128, 1)]
     assert published.first == {5}
     # one group (every layer full attention): the same as before
     runner = _runner([(128, names)], {"a": SimpleNamespace(num_computed_tokens=300, block_ids=([4, 9, 2],))})
-    live.publish(runner, SimpleNamespace(), published)
+    live.publish(runner, SimpleNamespace(), state)
     assert published.first == {4}
     # no KV cache yet: group 0 at the configured block size
     runner = _runner(None, {"a": SimpleNamespace(num_computed_tokens=10, block_ids=([7],))})
-    live.publish(runner, SimpleNamespace(), published)
+    live.publish(runner, SimpleNamespace(), state)
     assert published.first == {7}
 
 
@@ -68,17 +69,18 @@ def test_publish_names_kernel_blocks_of_a_hybrid_model() -> None:
     (stride 5, or vLLM's ``kernel_block_stride`` when pages of other layers sit between blocks).
     A request of blocks [3, 9] has first kernel block 3 x stride."""
     from kvarn.vllm import live
-    from kvarn.vllm.staging import LiveBlocks
+    from kvarn.vllm.context import EngineState
 
-    published = LiveBlocks()
+    state = EngineState(spec=None, vllm_config=None)  # type: ignore[arg-type]  # its live blocks only
+    published = state.live
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
     for stride in (0, 7):
         req = SimpleNamespace(num_computed_tokens=900, block_ids=([3, 9],))
         runner = _runner([(640, names)], {"a": req})
         runner.attn_groups = [[SimpleNamespace(layer_names=names, kernel_block_size=128, kernel_block_stride=stride)]]
-        live.publish(runner, SimpleNamespace(), published)
-        assert live.kvarn_groups(runner) == [(0, 640, 128, stride or 5)]
+        live.publish(runner, SimpleNamespace(), state)
+        assert live.kvarn_groups(runner, state) == [(0, 640, 128, stride or 5)]
         assert published.first == {3 * (stride or 5)}
 
 

@@ -200,12 +200,17 @@ def test_builders_of_one_model_share_one_planner(tmp_path: Any) -> None:
 
     from kvarn.testing.synthetic import write_config_only
     from kvarn.vllm.backend import KvarnMetadataBuilder
+    from kvarn.vllm.context import EngineState
 
     name = _mixed().name
     model = str(write_config_only(tmp_path / "m", num_hidden_layers=30))
     config = EngineArgs(model=model, kv_cache_dtype=name, max_num_seqs=2).create_engine_config()
     spec = SimpleNamespace(block_size=TILE)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(30)]
+    state = EngineState.from_config(config)  # the engine's, held by its layers' impls as vLLM registers them
+    config.compilation_config.static_forward_context.update(
+        {n: SimpleNamespace(impl=SimpleNamespace(state=state)) for n in names}
+    )
     a = KvarnMetadataBuilder(spec, names[:2], config, torch.device("cpu"))  # type: ignore[arg-type]
     b = KvarnMetadataBuilder(spec, names[2:], config, torch.device("cpu"))  # type: ignore[arg-type]
     assert a.planner is b.planner

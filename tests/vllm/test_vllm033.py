@@ -283,18 +283,18 @@ def check_backend(tmp: Path) -> Any:
     assert cls.supports_kv_cache_dtype(name) and not cls.supports_kv_cache_dtype("auto")
     from types import SimpleNamespace
 
-    from kvarn.vllm import context
+    from vllm.config import set_current_vllm_config
 
     model = SimpleNamespace(dtype=torch.bfloat16, use_mla=False, is_hybrid=False, get_head_size=lambda: 64,
                             get_num_layers=lambda p: 30, get_num_kv_heads=lambda p: 3)  # fmt: skip
     config = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=name), model_config=model, parallel_config=None,
                              scheduler_config=SimpleNamespace(max_num_seqs=4), speculative_config=None,
                              device_config=SimpleNamespace(device="cpu"))  # fmt: skip
-    context.context_of(config)  # as built when the model's attention layers are
     spec = FullAttentionSpec(
         block_size=128, num_kv_heads=3, head_size=64, dtype=torch.uint8, kv_quant_mode=get_kv_quant_mode(name)
     )
-    custom = cls.customize_spec(spec)
+    with set_current_vllm_config(config):  # type: ignore[arg-type]  # as vLLM asks while it builds the engine
+        custom = cls.customize_spec(spec)
     assert custom.tokens_per_state == 128 and cls.get_supported_kernel_block_sizes(custom) == [128]
     assert cls.supports_block_size(128)
     selector = AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16, kv_cache_dtype=name, block_size=128)
@@ -343,6 +343,7 @@ def check_builder(tmp: Path) -> Any:
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     from kvarn.vllm.backend import KvarnMetadataBuilder
+    from kvarn.vllm.context import EngineState
 
     name = "kvarn_k4v2_g128"
     model = SimpleNamespace(
@@ -361,6 +362,8 @@ def check_builder(tmp: Path) -> Any:
         speculative_config=None,
         device_config=SimpleNamespace(device="cpu"),
     )
+    layer = SimpleNamespace(impl=SimpleNamespace(state=EngineState.from_config(config)))  # as vLLM registers it
+    config.compilation_config = SimpleNamespace(static_forward_context={"layers.0.attn": layer})
     spec = SimpleNamespace(block_size=128, num_kv_heads=3, head_size=64)
     builder = KvarnMetadataBuilder(spec, ["layers.0.attn"], config, torch.device("cpu"))  # type: ignore[arg-type]
     # one step of two new requests: prompts of 200 tokens (block ids 1-2) and 101 tokens (block id 3),
@@ -490,7 +493,7 @@ def check_hybrid_alignment(tmp: Path) -> Any:
     from kvarn.testing.builders import granite_hybrid_config
     from kvarn.vllm import patches, plugin
     from kvarn.vllm.backend import KvarnAttentionBackend
-    from kvarn.vllm.context import EngineContext
+    from kvarn.vllm.context import EngineSpec
     from kvarn.vllm.pages import hybrid_token_bytes
 
     for module in (vllm.platforms, vllm.engine.arg_utils):  # 0.33.0 here: the CPU platform stands in
@@ -539,7 +542,7 @@ def check_hybrid_alignment(tmp: Path) -> Any:
         block_size=-1,
     ).page_size_bytes
     cache = config.cache_config
-    per_token = hybrid_token_bytes(EngineContext.from_config(config))
+    per_token = hybrid_token_bytes(EngineSpec.from_config(config))
     return before, cache.block_size, cache.mamba_page_size_padded, per_token, mamba, str(cache.mamba_ssm_cache_dtype)
 
 

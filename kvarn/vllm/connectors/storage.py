@@ -50,7 +50,7 @@ from kvarn.vllm.connectors import NAME
 from kvarn.vllm.connectors.carry import read_sink, read_tail, read_tiles, write_sink, write_tail, write_tiles
 from kvarn.vllm.connectors.fingerprint import model_fingerprint
 from kvarn.vllm.connectors.store import ROOT_KEY, Identity, RecordError, RecordStore, tile_keys, token_hash
-from kvarn.vllm.context import context_of
+from kvarn.vllm.context import EngineSpec
 from kvarn.vllm.pools import sink_capacity
 from kvarn.vllm.registry import DTYPES
 
@@ -121,7 +121,7 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         root = self._kv_transfer_config.get_from_extra_config(PATH_KEY, None)
         if not root:
             raise ValueError(f"{NAME} needs kv_connector_extra_config={{{PATH_KEY!r}: <folder>}}")
-        scheme = context_of(vllm_config).scheme
+        scheme = EngineSpec.from_config(vllm_config).scheme
         self.group_size = int(cache.block_size)
         self.sink_rows = sink_capacity(scheme)
         self._root = root
@@ -250,9 +250,9 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         layers = self._vllm_config.compilation_config.static_forward_context
         for name, cache in kv_caches.items():
             impl = getattr(layers.get(name), "impl", None)
-            if not isinstance(impl, KvarnAttentionImpl) or impl.ctx.layout is None:
+            if not isinstance(impl, KvarnAttentionImpl) or impl.spec.layout is None:
                 raise ValueError(f"{NAME}: layer {name} is not a kvarn layer with tail pages ({type(impl).__name__})")
-            scheme = impl.ctx.layer_scheme(extract_layer_index(name))
+            scheme = impl.spec.layer_scheme(extract_layer_index(name))
             assert scheme is not None  # a kvarn impl serves quantized layers only
             self._layers[name] = _Layer(cache[:, :, 0, :], scheme.tile_bytes(impl.head_size), impl)
 
@@ -292,8 +292,8 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         first = tr.start // t
         tiles = [self.store.read("tile", keys[j]) for j in range(first, n)]
         tail = self.store.read("tail", tr.tail) if rem else None
-        ctx = self._first().impl.ctx
-        sinks = getattr(ctx.planner, "sinks", None)
+        state = self._first().impl.state
+        sinks = getattr(state.planner, "sinks", None)
         # a first block held before the load (a local prefix-cache hit) keys its own sequence's sink rows;
         # a block allocated for the load may still key a finished sequence's slot: overwritten
         held = not self.sink_rows or sinks is None or (first > 0 and sinks.full_slot(tr.blocks[0]) >= 0)
@@ -311,7 +311,7 @@ class KvarnStorageConnector(KVConnectorBase_V1):
                     layer.pages, tr.blocks[first:n], torch.stack([rec[name] for rec in tiles]), layer.tile_bytes
                 )
             if tail is not None:
-                write_tail(layer.pages, ctx.layout, tr.blocks, n, tail[name][:rem])
+                write_tail(layer.pages, state.spec.layout, tr.blocks, n, tail[name][:rem])
             if slot >= 0 and sink is not None:
                 write_sink(layer.impl.sink, slot, sink[name])
 
@@ -339,7 +339,7 @@ class KvarnStorageConnector(KVConnectorBase_V1):
         t, tokens, store = self.group_size, tr.tokens, self.store
         n, rem = len(tokens) // t, len(tokens) % t
         keys = tile_keys(tokens, t)
-        ctx = self._first().impl.ctx
+        state = self._first().impl.state
         for j in range(n):
             if not store.check("tile", keys[j]):
                 store.write(
@@ -349,9 +349,9 @@ class KvarnStorageConnector(KVConnectorBase_V1):
                 )
         prefix = keys[n - 1] if n else ROOT_KEY
         if rem and not store.check("tail", store.tail_key(prefix, tokens[n * t :])):
-            rows = {k: read_tail(x.pages, ctx.layout, tr.blocks, n, rem) for k, x in self._layers.items()}
+            rows = {k: read_tail(x.pages, state.spec.layout, tr.blocks, n, rem) for k, x in self._layers.items()}
             store.write_tail(prefix, tokens[n * t :], rows)
-        sinks = getattr(ctx.planner, "sinks", None)
+        sinks = getattr(state.planner, "sinks", None)
         if not self.sink_rows or sinks is None or len(tokens) < self.sink_rows:
             return
         sink_key = token_hash(tokens[: self.sink_rows])
