@@ -24,9 +24,6 @@ def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[str
     threads = torch.get_num_threads()
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("KVARN_PRESET_PATH", "")  # restored after the test: the serve step sets it
-    monkeypatch.setattr(steps, "_TUNED", [])
-    monkeypatch.setattr(steps, "_TUNE_RAN", [])
-    monkeypatch.setattr(steps, "_SUMMARY", {})
     calls: list[str] = []
 
     def fake_vllm(argv: Sequence[str], summary: dict[str, str] | None = None) -> int:
@@ -59,14 +56,15 @@ def test_serve_step_serves_the_file_the_tune_step_wrote_by_its_name(
 ) -> None:
     _tune_writes(monkeypatch, Scheme(3, 2, 64))
     args = argparse.Namespace(model="smollm2-135m", threads=1)
-    assert steps.step_tune(args) == 0 and steps.step_serve(args) == 0
+    run = steps.JobRun()
+    assert steps.step_tune(args, run) == 0 and steps.step_serve(args, run) == 0
     written = derived_name("smollm2-135m", parse_budget(tune.BUDGET))
     assert served == [written]
     tuned = tmp_path / "config" / "kvarn" / "presets" / f"{written}.yaml"
     out = capsys.readouterr().out
     assert f"serving {written} from {tuned}" in out
     assert "3.250 bits/element" in out and "held-out KL 0.0071 on python-docs:1/2" in out
-    assert str(tuned) in steps._SUMMARY["serve"]
+    assert str(tuned) in run.summary["serve"]
 
 
 def test_a_failed_tune_step_is_reported_and_the_builtin_served(
@@ -75,7 +73,8 @@ def test_a_failed_tune_step_is_reported_and_the_builtin_served(
     """The committed preset stands in only for a skipped tune step, never for a failed one."""
     _tune_writes(monkeypatch, None)
     args = argparse.Namespace(model="smollm2-135m", threads=1)
-    assert steps.step_tune(args) == 1 and steps.step_serve(args) == 0
+    run = steps.JobRun()
+    assert steps.step_tune(args, run) == 1 and steps.step_serve(args, run) == 0
     assert served == ["kvarn_k4v2_g128"]
     assert "wrote no preset" in capsys.readouterr().out
 
@@ -85,13 +84,13 @@ def test_skipped_tune_step_serves_the_committed_preset_unless_shadowed(
 ) -> None:
     """No tune step: docs/tuned's file is served only if its name resolves to it."""
     args = argparse.Namespace(model="smollm2-135m", threads=1)
-    assert steps.step_serve(args) == 0
+    assert steps.step_serve(args, steps.JobRun()) == 0
     committed = Path(steps.__file__).resolve().parents[2] / "docs" / "tuned" / f"{NAME}.yaml"
     assert served == [NAME] and f"serving {NAME} from {committed}" in capsys.readouterr().out
     # an earlier run's tuned file of that name in the user folder wins the lookup: not served as docs/tuned's
     save_preset(Preset(NAME, Scheme(3, 2, 64)), tmp_path / "config" / "kvarn" / "presets" / f"{NAME}.yaml")
     served.clear()
-    assert steps.step_serve(args) == 0
+    assert steps.step_serve(args, steps.JobRun()) == 0
     assert served == ["kvarn_k4v2_g128"]
     assert f"not serving {NAME}: the name resolves to" in capsys.readouterr().out
 

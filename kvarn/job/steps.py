@@ -1,6 +1,7 @@
 """``make run``: kvarn's main job on the embedded default model, as a sequence of steps.
 
-Steps (each a function ``(args) -> exit code``, run in order; later features append theirs):
+Steps (each a function ``(args, run) -> exit code``, run in order; later features append theirs;
+``run``: the :class:`JobRun` they share):
 
 1. ``presets``  -- the scheme table at the model's head_dim (64 for SmolLM2-135M).
 2. ``accuracy`` -- ``kvarn eval`` in decode mode for fp16, the kvarn presets and the baselines.
@@ -24,19 +25,36 @@ import argparse
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvarn.cli import main as kvarn_main
 
-Step = Callable[[argparse.Namespace], int]
+
+@dataclass
+class JobRun:
+    """What one ``make run`` carries from step to step.
+
+    Attributes:
+        tuned: ``(name, file)`` of the preset the tune step wrote, for the serve step.
+        tune_ran: the tune step ran (so the serve step never falls back to docs/tuned).
+        summary: step -> one line for the final summary.
+    """
+
+    tuned: list[tuple[str, Path]] = field(default_factory=list)
+    tune_ran: bool = False
+    summary: dict[str, str] = field(default_factory=dict)
 
 
-def step_presets(args: argparse.Namespace) -> int:
+Step = Callable[[argparse.Namespace, JobRun], int]
+
+
+def step_presets(args: argparse.Namespace, run: JobRun) -> int:
     """The preset table at head_dim 64 (SmolLM2-135M)."""
     return kvarn_main(["presets", "--head-dim", "64"])
 
 
-def step_accuracy(args: argparse.Namespace) -> int:
+def step_accuracy(args: argparse.Namespace, run: JobRun) -> int:
     """``kvarn eval`` on the default model and text; prints the table."""
     tokens, greedy = (2048, 256) if args.full else (args.tokens, args.greedy_tokens)
     argv = ["eval", "--model", args.model, "--schemes", args.schemes, "--tokens", str(tokens)]
@@ -45,18 +63,13 @@ def step_accuracy(args: argparse.Namespace) -> int:
         argv += ["--json", args.json]
     if args.plot:
         argv += ["--plot", args.plot]
-    _SUMMARY["accuracy"] = (
+    run.summary["accuracy"] = (
         f"decode mode, {tokens} tokens: table above ({'--json ' + args.json if args.json else 'docs/accuracy.md: 2048/8192 tokens'})"
     )
     return kvarn_main(argv)
 
 
-_TUNED: list[tuple[str, Path]] = []  # (name, file) of the preset the tune step wrote, for the serve step
-_TUNE_RAN: list[bool] = []  # the tune step ran (so the serve step never falls back to docs/tuned)
-_SUMMARY: dict[str, str] = {}  # step -> one line for the final summary
-
-
-def step_tune(args: argparse.Namespace) -> int:
+def step_tune(args: argparse.Namespace, run: JobRun) -> int:
     """A fast ``kvarn-tune`` run (:mod:`kvarn.job.tune`); exit 1 when it wrote no preset."""
     import torch
 
@@ -67,18 +80,18 @@ def step_tune(args: argparse.Namespace) -> int:
     out = user_preset_dir()
     print(f"kvarn-tune on {args.model}: {describe(BUDGET)}, {args.threads} torch thread(s)", flush=True)
     cpu0 = time.process_time()
-    _TUNE_RAN.append(True)
+    run.tune_ran = True
     name = tune_default(args.model, BUDGET, str(out))
     cpu = time.process_time() - cpu0
     if name is None:
         print("kvarn-tune wrote no preset (its message is above); the serve step serves kvarn_k4v2_g128")
-        _SUMMARY["tune"] = f"no preset within {BUDGET} (see above)"
+        run.summary["tune"] = f"no preset within {BUDGET} (see above)"
         return 1
     file = out / f"{name}.yaml"
     print(f"tuned preset: {name} in {file} (`kvarn presets` lists it); {cpu:.0f} CPU-seconds")
     print(f"  {preset_line(name)}")
-    _TUNED.append((name, file))
-    _SUMMARY["tune"] = f"wrote {name} ({BUDGET}, {cpu:.0f} CPU-s)"
+    run.tuned.append((name, file))
+    run.summary["tune"] = f"wrote {name} ({BUDGET}, {cpu:.0f} CPU-s)"
     return 0
 
 
@@ -133,12 +146,12 @@ def _resolves_to(name: str, file: Path | None) -> str | None:
     return source
 
 
-def step_serve(args: argparse.Namespace) -> int:
+def step_serve(args: argparse.Namespace, run: JobRun) -> int:
     """Serve through vLLM with a kvarn preset; prints its file, capacity vs the 16-bit cache and a sample."""
     from kvarn.job.serve import main as vllm_main
 
-    candidates: list[tuple[str, Path | None]] = [*_TUNED]
-    if not _TUNE_RAN:
+    candidates: list[tuple[str, Path | None]] = [*run.tuned]
+    if not run.tune_ran:
         committed = _committed_preset(args.model)
         if committed is not None:
             print(f"tune step skipped: serving the preset of the full tuning run, {committed[0]} (docs/tuning.md)")
@@ -152,12 +165,12 @@ def step_serve(args: argparse.Namespace) -> int:
         if file is not None:
             print(f"  {preset_line(preset)}")
         try:
-            if vllm_main(["--model", args.model, "--preset", preset], summary=_SUMMARY) == 0:
-                _SUMMARY["serve"] = f"{_SUMMARY.get('serve', preset)} from {source}"
+            if vllm_main(["--model", args.model, "--preset", preset], summary=run.summary) == 0:
+                run.summary["serve"] = f"{run.summary.get('serve', preset)} from {source}"
                 return 0
         except Exception as e:  # a start-up refusal (e.g. a layout the backend does not serve) is reported
             print(f"vLLM could not serve {preset}: {e}")
-    _SUMMARY["serve"] = "vLLM could not serve any candidate preset (see above)"
+    run.summary["serve"] = "vLLM could not serve any candidate preset (see above)"
     return 1
 
 
@@ -196,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    run = JobRun()
     rc = 0
     done: list[tuple[str, str, float]] = []
     for name, step in STEPS:
@@ -203,14 +217,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         print(f"\n== step: {name} ==", flush=True)
         t0 = time.perf_counter()
-        code = step(args)
+        code = step(args, run)
         status = "ok" if code == 0 else f"exit {code}"
         done.append((name, status, time.perf_counter() - t0))
         print(f"== {name}: {status} in {done[-1][2]:.0f} s ==", flush=True)
         rc = rc or code
     print("\n== summary ==")
     for name, status, secs in done:
-        print(f"{name:<9} {status:<7} {secs:6.0f} s  {_SUMMARY.get(name, '')}")
+        print(f"{name:<9} {status:<7} {secs:6.0f} s  {run.summary.get(name, '')}")
     print(f"{'total':<9} {'ok' if rc == 0 else 'FAILED':<7} {sum(s for _, _, s in done):6.0f} s")
     return rc
 
