@@ -17,17 +17,28 @@ from kvarn.kernels.cpu import native
 HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
 
 
-def _has_avx512() -> bool:
+def cpu_has(flag: str) -> bool:
+    """Whether ``/proc/cpuinfo`` lists the CPU flag ``flag`` (``avx512f``, ``amx_int8``)."""
     try:
-        return " avx512f" in Path("/proc/cpuinfo").read_text()
+        return f" {flag}" in Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
 
 
-needs_avx512 = pytest.mark.skipif(not (HAS_COMPILER and _has_avx512()), reason="needs g++ and an AVX-512 CPU")
+def needs_cpu(flag: str, name: str) -> pytest.MarkDecorator:
+    """Skip where there is no compiler or the CPU lacks ``flag`` (``name`` in the reason)."""
+    return pytest.mark.skipif(not (HAS_COMPILER and cpu_has(flag)), reason=f"needs g++ and an {name} CPU")
 
 
-@functools.lru_cache(maxsize=1)
+needs_avx512 = needs_cpu("avx512f", "AVX-512")
+
+
+@functools.cache
+def build_without(*flags: str) -> ModuleType:
+    """The extension built for this CPU with ``flags`` added (``-mno-...``: less an instruction set)."""
+    return native._build((*native.FLAGS, *native.NATIVE_FLAGS, *flags))
+
+
 def fallback() -> ModuleType:
     """The extension built with ``-mno-avx512f`` (the AVX2 8-lane paths)."""
-    return native._build((*native.FLAGS, *native.NATIVE_FLAGS, "-mno-avx512f"))
+    return build_without("-mno-avx512f")

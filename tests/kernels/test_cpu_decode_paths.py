@@ -7,8 +7,6 @@ AVX-512 / AMX-INT8 (then the default build is that fallback, which tests/kernels
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -18,27 +16,35 @@ from kvarn.kernels import PagedContext
 from kvarn.kernels.cpu import native
 from kvarn.kernels.cpu import ops as cpu
 
-from ._fallback_build import HAS_COMPILER, fallback, needs_avx512
+from ._fallback_build import build_without, fallback, needs_avx512, needs_cpu
 from ._reference import attention, paged_batch, sqnr_db
 from .test_cpu import MIN_SQNR_DB, scheme, staging
 
 pytestmark = needs_avx512
 
 
-def _has_amx_int8() -> bool:
-    try:
-        return " amx_int8" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+needs_amx = needs_cpu("amx_int8", "AMX-INT8")
 
 
-needs_amx = pytest.mark.skipif(not (HAS_COMPILER and _has_amx_int8()), reason="needs g++ and an AMX-INT8 CPU")
-
-
-@functools.lru_cache(maxsize=1)
 def without_amx() -> ModuleType:
     """The extension built without AMX (the AVX-512 float paths)."""
-    return native._build((*native.FLAGS, *native.NATIVE_FLAGS, "-mno-amx-tile", "-mno-amx-int8"))
+    return build_without("-mno-amx-tile", "-mno-amx-int8")
+
+
+def _case(
+    name: str, sink_tokens: int, d: int, group: int, seed: int = 7
+) -> tuple[torch.Tensor, PagedContext, torch.Tensor]:
+    """Four sequences (``9T + 5``, 3, ``2T`` and ``18T - 1`` tokens, two KV heads): the query
+    ``[4, 2 * group, D]``, its context and the float reference ``[4, 2 * group, D]``."""
+    sc = scheme(name, sink_tokens)
+    t = sc.group_size
+    lens = [9 * t + 5, 3, 2 * t, 17 * t + t - 1]
+    pb = paged_batch(sc, lens, 2, d, seed=seed)
+    a = staging(sc, pb, True, seed=seed)
+    q = torch.randn(len(lens), 2 * group, d, generator=torch.Generator().manual_seed(seed))
+    ctx = PagedContext(pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, **a.kwargs)  # type: ignore[arg-type]
+    ref = torch.cat([attention(q[b : b + 1], pb.context_k[b], pb.context_v[b]) for b in range(len(lens))])
+    return q, ctx, ref
 
 
 CASES = [  # (scheme, sink_tokens, head_dim, query heads per KV head)
@@ -56,31 +62,12 @@ CASES = [  # (scheme, sink_tokens, head_dim, query heads per KV head)
 def test_fallback_and_avx512_paths_agree(
     name: str, sink_tokens: int, d: int, group: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sc = scheme(name, sink_tokens)
-    t = sc.group_size
-    lens = [9 * t + 5, 3, 2 * t, 17 * t + t - 1]
-    pb = paged_batch(sc, lens, 2, d, seed=5)
-    a = staging(sc, pb, True, seed=5)
-    q = torch.randn(len(lens), 2 * group, d, generator=torch.Generator().manual_seed(5))
-    ctx = PagedContext(pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, **a.kwargs)  # type: ignore[arg-type]
-    ref = torch.cat([attention(q[b : b + 1], pb.context_k[b], pb.context_v[b]) for b in range(len(lens))])
+    q, ctx, ref = _case(name, sink_tokens, d, group, seed=5)
     wide = cpu.decode_attention(q, ctx, impl="native")
     monkeypatch.setattr(native, "extension", fallback)
     narrow = cpu.decode_attention(q, ctx, impl="native")
     assert sqnr_db(ref, wide) >= MIN_SQNR_DB and sqnr_db(ref, narrow) >= MIN_SQNR_DB
     torch.testing.assert_close(wide, narrow, atol=1e-5, rtol=1e-4)
-
-
-def _case(name: str, sink_tokens: int, d: int, group: int) -> tuple[torch.Tensor, PagedContext, torch.Tensor]:
-    sc = scheme(name, sink_tokens)
-    t = sc.group_size
-    lens = [9 * t + 5, 3, 2 * t, 17 * t + t - 1]
-    pb = paged_batch(sc, lens, 2, d, seed=7)
-    a = staging(sc, pb, True, seed=7)
-    q = torch.randn(len(lens), 2 * group, d, generator=torch.Generator().manual_seed(7))
-    ctx = PagedContext(pb.cache, pb.block_table, pb.num_tiles, a.tail_k, a.tail_v, pb.tail_lens, sc, **a.kwargs)  # type: ignore[arg-type]
-    ref = torch.cat([attention(q[b : b + 1], pb.context_k[b], pb.context_v[b]) for b in range(len(lens))])
-    return q, ctx, ref
 
 
 @needs_amx
