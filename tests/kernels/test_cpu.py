@@ -535,6 +535,44 @@ def store_inputs(
     return k.to(dtype), v.to(dtype)
 
 
+def records_in_pages(
+    name: str, d: int, blocks: list[int]
+) -> tuple[Scheme, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The reference codec's records of ``U = len(blocks)`` tiles of two heads (:func:`store_inputs`)
+    at ``blocks`` of pages 16 bytes wider than a record: the scheme, the record view
+    ``[max(blocks) + 1, 2, tile_bytes]`` uint8 of the pages, ``blocks`` ``[U]`` int64 and the
+    reference's dequantized keys and values, each ``[2, U, T, D]`` float32."""
+    from kvarn.codec import dequantize_tiles, quantize_tiles
+
+    sc = Scheme.from_name(name)
+    u, h, t = len(blocks), 2, sc.group_size
+    k, v = store_inputs(sc, u, h, d, torch.float32, seed=d + len(name))
+    nb = sc.tile_bytes(d)
+    rec = quantize_tiles(k.reshape(u * h, t, d), v.reshape(u * h, t, d), sc).view(u, h, nb)
+    pages = torch.zeros(max(blocks) + 1, h, nb + 16, dtype=torch.uint8)
+    ids = torch.tensor(blocks)
+    pages[ids, :, :nb] = rec
+    ref = [x.view(u, h, t, d).transpose(0, 1) for x in dequantize_tiles(rec.view(u * h, nb), sc, d)]
+    return sc, pages[:, :, :nb], ids, ref
+
+
+def assert_dequantized(
+    out: tuple[torch.Tensor, ...] | list[torch.Tensor],
+    ref: list[torch.Tensor],
+    dtype: torch.dtype,
+    expected: tuple[torch.Tensor, ...] | list[torch.Tensor] | None = None,
+) -> None:
+    """Dequantized keys and values ``[H, U, T, D]`` in ``dtype`` equal ``expected`` (default: the
+    reference ``ref`` rounded to ``dtype``) to float32 rounding (1e-6) or the dtype's (2**-7), relative
+    to each tile's largest magnitude in ``ref``."""
+    for i, (mine, theirs) in enumerate(zip(out, ref, strict=True)):
+        assert mine.shape == theirs.shape and mine.dtype == dtype
+        scale = theirs.abs().amax((2, 3), keepdim=True).clamp_min(1e-30)  # per tile: they span 1e-6 to 1e3
+        want = theirs.to(dtype) if expected is None else expected[i]
+        tol = 1e-6 if dtype == torch.float32 else 2**-7
+        torch.testing.assert_close(mine.float() / scale, want.float() / scale, rtol=0, atol=tol)
+
+
 def assert_store_matches_reference(out: torch.Tensor, ref: torch.Tensor, sc: Scheme, d: int, x: tuple) -> None:
     """The native store's tolerance (kvarn.kernels.cpu.store): codes equal to the reference's for
     >= 99.9% of elements (99.5% at 8 bits); in >= 90% of tile sides every stored param within two fp16
@@ -733,30 +771,11 @@ def test_dequantize_blocks_matches_the_reference_codec(
 ) -> None:
     """Blocks in any order from pages wider than a record -> [H, U, T, D] in the asked dtype: the
     reference's numbers to float32 rounding (relative 1e-6), then rounded once to the dtype."""
-    from kvarn.codec import dequantize_tiles, quantize_tiles
     from kvarn.kernels.cpu.dequant import dequantize_blocks
 
     if built and not HAS_COMPILER:
         pytest.skip("no C++ compiler: no native dequantize")
     if not built:
         monkeypatch.setattr(native, "extension", lambda: None)
-    sc = Scheme.from_name(name)
-    u, h, t = 5, 2, sc.group_size
-    k, v = store_inputs(sc, u, h, d, torch.float32, seed=d + len(name))
-    nb = sc.tile_bytes(d)
-    rec = quantize_tiles(k.reshape(u * h, t, d), v.reshape(u * h, t, d), sc).view(u, h, nb)
-    pages = torch.zeros(u + 3, h, nb + 16, dtype=torch.uint8)
-    blocks = torch.tensor([6, 0, 3, 7, 2])
-    pages[blocks, :, :nb] = rec
-    ref = [x.view(u, h, t, d).transpose(0, 1) for x in dequantize_tiles(rec.view(u * h, nb), sc, d)]
-    out = dequantize_blocks(pages[:, :, :nb], blocks, sc, d, dtype)
-    for mine, theirs in zip(out, ref, strict=True):
-        assert mine.shape == (h, u, t, d) and mine.dtype == dtype
-        scale = theirs.abs().amax((2, 3), keepdim=True).clamp_min(1e-30)  # per tile: they span 1e-6 to 1e3
-        exact = torch.testing.assert_close
-        exact(
-            mine.float() / scale,
-            (theirs.to(dtype).float() / scale),
-            rtol=0,
-            atol=1e-6 if dtype == torch.float32 else 2**-7,
-        )
+    sc, pages, blocks, ref = records_in_pages(name, d, [6, 0, 3, 7, 2])
+    assert_dequantized(dequantize_blocks(pages, blocks, sc, d, dtype), ref, dtype)
