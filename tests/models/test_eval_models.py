@@ -20,6 +20,7 @@ from kvarn.cli import main
 from kvarn.eval.harness import Evaluator, default_text
 from kvarn.hf import cache_geometry
 from kvarn.schemes import Scheme
+from tests.models._tune_probes import tune_probed_layers
 from tests.models.conftest import WINDOW
 
 TOKENS, CHUNK, D = 320, 64, 256
@@ -112,21 +113,6 @@ def test_kvarn_tune_on_a_hybrid_model_counts_attention_layers_only(hybrid_folder
 def test_kvarn_tune_sensitivity_skips_recurrent_layers(hybrid_folder: Path, tmp_path: Path) -> None:
     """The per-layer sensitivity pass evaluates the attention layers only: a Mamba layer has nothing
     to quantize (0.0, no evaluation)."""
-    calls: list[Scheme] = []
-    original = Evaluator.evaluate
-
-    def counting(self: Evaluator, spec: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(spec)
-        return original(self, spec, *args, **kwargs)
-
-    config = TuneConfig(
-        budget=parse_budget("50%"), model=str(hybrid_folder), text=default_text(), tokens=256, trials=1, sensitivity_tokens=128,
-        group_sizes=(64,), confirm=1, prune_tokens=0, cache_dir=tmp_path, chunk=CHUNK, progress=False,
-    )  # fmt: skip
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Evaluator, "evaluate", counting)
-        res = tune(config)
-    # a probe quantizes one layer alone (the search's per-layer mixes quantize several)
-    probes = [s for s in calls if isinstance(s, Scheme) and sum(s.for_layer(i) is not None for i in range(4)) == 1]
-    assert sorted(i for s in probes for i in range(4) if s.for_layer(i) is not None) == [1, 3]
+    res, probed = tune_probed_layers(hybrid_folder, tmp_path, 4)
+    assert sorted(probed) == [1, 3]
     assert res.sensitivity[0] == res.sensitivity[2] == 0.0 and res.sensitivity[1] > 0 and res.sensitivity[3] > 0

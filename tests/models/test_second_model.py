@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -66,29 +65,10 @@ def test_a_wrong_checksum_leaves_nothing_behind(tmp_path: Path, monkeypatch: pyt
 def test_kvarn_tune_sensitivity_skips_sliding_layers(gemma_folder: Path, tmp_path: Path) -> None:
     """The per-layer sensitivity pass probes only the layers the tuner quantizes: on the Gemma-3-like
     model (5 sliding layers, then 1 full) a sliding layer stays 16-bit, so it scores 0.0 unmeasured."""
-    from kvarn.autotune.budget import parse_budget
-    from kvarn.autotune.tuner import TuneConfig, tune
-    from kvarn.eval.harness import Evaluator, default_text
-    from kvarn.schemes import Scheme
+    from tests.models._tune_probes import tune_probed_layers
 
-    calls: list[Any] = []
-    original = Evaluator.evaluate
-
-    def counting(self: Evaluator, spec: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(spec)
-        return original(self, spec, *args, **kwargs)
-
-    config = TuneConfig(
-        budget=parse_budget("50%"), model=str(gemma_folder), text=default_text(), tokens=256, trials=1,
-        sensitivity_tokens=128, group_sizes=(64,), confirm=1, prune_tokens=0, cache_dir=tmp_path, chunk=64,
-        compare_builtin=False, progress=False,
-    )  # fmt: skip
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Evaluator, "evaluate", counting)
-        res = tune(config)
-    # a probe quantizes one layer alone (the search's per-layer mixes quantize several)
-    probes = [s for s in calls if isinstance(s, Scheme) and sum(s.for_layer(i) is not None for i in range(6)) == 1]
-    assert sorted({i for s in probes for i in range(6) if s.for_layer(i) is not None}) == [5]
+    res, probed = tune_probed_layers(gemma_folder, tmp_path, 6, compare_builtin=False)
+    assert sorted(set(probed)) == [5]
     assert res.sensitivity[:5] == [0.0] * 5 and res.sensitivity[5] > 0
 
 
