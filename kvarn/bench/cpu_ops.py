@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from kvarn.bench.tables import markdown_table
+
 SMOLLM2 = {"q_heads": 9, "kv_heads": 3, "head_dim": 64, "layers": 30}
 
 
@@ -263,16 +265,13 @@ def bench_store(
 
 
 def store_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| scheme | head_dim | native ms | reference codec ms | speed-up | records identical |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| `{r['scheme']}` | {r['head_dim']} | {r['native_ms']:.3f} | {r['reference_ms']:.2f} "
-            f"| {r['reference_ms'] / r['native_ms']:.1f}x | {r['identical']:.0%} |"
-        )
-    return "\n".join(lines)
+    head = ["scheme", "head_dim", "native ms", "reference codec ms", "speed-up", "records identical"]
+    cells = (
+        [f"`{r['scheme']}`", str(r["head_dim"]), f"{r['native_ms']:.3f}", f"{r['reference_ms']:.2f}",
+         f"{r['reference_ms'] / r['native_ms']:.1f}x", f"{r['identical']:.0%}"]
+        for r in rows
+    )  # fmt: skip
+    return markdown_table(head, cells, left=1)
 
 
 def bench_prefill(
@@ -343,11 +342,8 @@ def _vllm_cpu_prefill(chunk: int, seq_len: int, q: torch.Tensor, g: torch.Genera
 
 def prefill_table(rows: list[dict[str, Any]]) -> str:
     methods = list(rows[0]["ms"]) if rows else []
-    lines = ["| cached tokens | chunk | " + " | ".join(methods) + " |", "|---:|---:|" + "---:|" * len(methods)]
-    for r in rows:
-        cells = " | ".join(f"{r['ms'][m]:.1f}" for m in methods)
-        lines.append(f"| {r['context']} | {r['chunk']} | {cells} |")
-    return "\n".join(lines)
+    cells = ([str(r["context"]), str(r["chunk"]), *(f"{r['ms'][m]:.1f}" for m in methods)] for r in rows)
+    return markdown_table(["cached tokens", "chunk", *methods], cells)
 
 
 def ops_table(rows: list[dict[str, Any]]) -> str:
@@ -358,9 +354,9 @@ def ops_table(rows: list[dict[str, Any]]) -> str:
     if rows and "kvarn_gbs" in rows[0]:
         extra = ["kvarn GB/s", f"% of triad ({rows[0]['triad_gbs']:.1f} GB/s)", "CPU_ATTN / kvarn"]
     cols = methods + extra
-    lines = ["| batch | context | " + " | ".join(cols) + " |", "|---:|---:|" + "---:|" * len(cols)]
+    lines = []
     for r in rows:
-        cells = [f"{r['ms'][m]:.2f}" for m in methods]
+        cells = [str(r["batch"]), str(r["context"]), *(f"{r['ms'][m]:.2f}" for m in methods)]
         if extra:
             ratio = r.get("vllm_vs_kvarn")
             cells += [
@@ -368,5 +364,5 @@ def ops_table(rows: list[dict[str, Any]]) -> str:
                 f"{100 * r['triad_share']:.0f}%",
                 "-" if ratio is None else f"{ratio:.2f}x",
             ]
-        lines.append(f"| {r['batch']} | {r['context']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(cells)
+    return markdown_table(["batch", "context", *cols], lines)

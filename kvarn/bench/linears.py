@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvarn.bench.doc_section import commit, machine, measuring_args, utc_stamp, write_section
+from kvarn.bench.tables import markdown_table
 from kvarn.models import BENCH_MODELS, model_folder
 
 
@@ -85,16 +86,13 @@ def time_linears(
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = [
-        "| rows (m) | layers ms/token | head ms/token | layers GFLOP/s | head GFLOP/s |",
-        "|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        lines.append(
-            f"| {r['rows']} | {r['layers_ms_per_token']:.2f} | {r['head_ms_per_token']:.2f} "
-            f"| {r['layers_gflops']:.1f} | {r['head_gflops']:.1f} |"
-        )
-    return "\n".join(lines)
+    head = ["rows (m)", "layers ms/token", "head ms/token", "layers GFLOP/s", "head GFLOP/s"]
+    cells = (
+        [str(r["rows"]), f"{r['layers_ms_per_token']:.2f}", f"{r['head_ms_per_token']:.2f}",
+         f"{r['layers_gflops']:.1f}", f"{r['head_gflops']:.1f}"]
+        for r in results
+    )  # fmt: skip
+    return markdown_table(head, cells)
 
 
 def main(argv: list[str] | None = None) -> int:

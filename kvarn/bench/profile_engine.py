@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvarn.bench.doc_section import ROOT, measured_at, measuring_args, write_section
+from kvarn.bench.tables import markdown_table
 from kvarn.models import BENCH_MODELS
 
 DOC = ROOT / "docs" / "cpu_serving.md"
@@ -141,7 +142,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table: per phase and cache, CPU seconds per part, the total, and the total and the
     cache's own work (attention, cache kernels, kvarn host) against the first cache's."""
     head = ["phase", "kv_cache_dtype", *PARTS, "total", "total vs first", "attention + cache vs first"]
-    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    lines = []
 
     def own(p: dict[str, float]) -> float:
         return p["attention"] + p["cache kernels"] + p["kvarn host"]
@@ -152,8 +153,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             p = r["phases"][phase]
             cells = [phase, f"`{r['kv_cache_dtype']}`", *(f"{p[k]:.2f}" for k in PARTS), f"{sum(p.values()):.2f}"]
             cells += [f"{sum(p.values()) / sum(base.values()):.2f}x", f"{own(p) / own(base):.2f}x"]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            lines.append(cells)
+    return markdown_table(head, lines, left=2)
 
 
 def main(argv: list[str] | None = None) -> int:
