@@ -249,39 +249,40 @@ def run_eval(args: argparse.Namespace) -> int:
 
     progress = not args.no_progress
     where = f"{args.dtype} on {args.device}; BOS {'prepended' if ev.bos else 'not prepended'}, --bos {args.bos}"
+
+    def show(what: str, table: str) -> None:
+        print(f"{args.model}, {what} (decode mode; {where})")
+        print(table)
+
     if args.task == "needle":
         task = needle.NeedleTask(ev, args.lengths, args.depths)
         found = task.evaluate_all(names, progress=progress, on_result=save)
-        print(
-            f"{args.model}, needle: pass key at {len(task.depths)} depths of {', '.join(map(str, task.lengths))}-token "
-            f"prompts, chunk {args.chunk} (decode mode; {where})"
-        )
-        print(format_needle_table(found, markdown=args.markdown))
+        lengths = ", ".join(map(str, task.lengths))
+        what = f"needle: pass key at {len(task.depths)} depths of {lengths}-token prompts, chunk {args.chunk}"
+        show(what, format_needle_table(found, markdown=args.markdown))
     elif args.task == "drift":
         prompts = args.prompts or drift.DEFAULT_PROMPTS
         dt = drift.DriftTask(ev, prompts, args.prompt_tokens, args.drift_tokens)
         runs = dt.evaluate_all(names, progress=progress, on_result=save)
-        print(
-            f"{args.model}, drift: {args.drift_tokens} greedy tokens after each of {prompts} prompts of "
-            f"{args.prompt_tokens} tokens, chunk {args.chunk} (decode mode; {where})"
+        what = (
+            f"drift: {args.drift_tokens} greedy tokens after each of {prompts} prompts of {args.prompt_tokens} "
+            f"tokens, chunk {args.chunk}"
         )
-        print(format_drift_table(runs, markdown=args.markdown))
+        show(what, format_drift_table(runs, markdown=args.markdown))
     elif args.task == "freerun":
         ft = freerun.FreerunTask(ev, args.prompts, args.freerun_tokens, args.kinds)
         free = ft.evaluate_all(names, progress=progress, on_result=save)
-        print(
-            f"{args.model}, freerun: {args.freerun_tokens} tokens greedy and sampled (temperature {freerun.TEMPERATURE}, "
-            f"top-p {freerun.TOP_P}, seed {freerun.SEED}) from {len(ft.prompts)} prompts, chunk {args.chunk}; mean "
-            f"[95% bootstrap interval over prompts] (decode mode; {where})"
+        what = (
+            f"freerun: {args.freerun_tokens} tokens greedy and sampled (temperature {freerun.TEMPERATURE}, top-p "
+            f"{freerun.TOP_P}, seed {freerun.SEED}) from {len(ft.prompts)} prompts, chunk {args.chunk}; mean [95% "
+            "bootstrap interval over prompts]"
         )
-        print(format_freerun_table(free, markdown=args.markdown))
+        show(what, format_freerun_table(free, markdown=args.markdown))
     else:
         meta["greedy_tokens"] = args.greedy_tokens
         results: list[EvalResult] = ev.evaluate_all(names, progress=progress, on_result=save)
-        print(
-            f"{args.model}, {ev.tokens} tokens, chunk {args.chunk}, greedy {args.greedy_tokens} (decode mode; {where})"
-        )
-        print(format_table(results, markdown=args.markdown))
+        what = f"{ev.tokens} tokens, chunk {args.chunk}, greedy {args.greedy_tokens}"
+        show(what, format_table(results, markdown=args.markdown))
         if args.plot:
             plot_pareto(results, args.plot, title=f"{args.model}, {ev.tokens} tokens, decode mode (chunk {args.chunk})")
             print(f"plot: {args.plot}")
