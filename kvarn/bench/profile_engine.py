@@ -32,6 +32,7 @@ import pstats
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,15 +72,27 @@ def split(prof: cProfile.Profile) -> dict[str, float]:
     return out
 
 
-def child(
-    dtype: str,
-    batch: int,
-    context: int,
-    new_tokens: int,
-    model: str = "smollm2-135m",
-    model_dtype: str = "auto",
-    dump: Path | None = None,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Workload:
+    """What one cache's process serves (module doc): ``batch`` prompts of ``context`` tokens, then
+    ``new_tokens`` generated, on ``model`` in vLLM's ``model_dtype``; with ``dump``, each phase's
+    cProfile stats are also written into that folder."""
+
+    batch: int
+    context: int
+    new_tokens: int
+    model: str = "smollm2-135m"
+    model_dtype: str = "auto"
+    dump: Path | None = None
+
+    def args(self) -> list[str]:
+        """The command-line options that give this workload (to the child process)."""
+        out = ["--batch", str(self.batch), "--context", str(self.context), "--new-tokens", str(self.new_tokens)]
+        out += ["--model", self.model, "--model-dtype", self.model_dtype]
+        return out + (["--dump", str(self.dump)] if self.dump is not None else [])
+
+
+def child(dtype: str, work: Workload) -> dict[str, Any]:
     """Profile the three phases with one cache in this process (see module doc)."""
     from vllm import SamplingParams
 
@@ -87,52 +100,42 @@ def child(
     from kvarn.models import model_folder
     from kvarn.vllm.engine import cpu_engine
 
-    model = str(model_folder(model, dtype=None))  # SmolLM2: its float32 folder
+    model = str(model_folder(work.model, dtype=None))  # SmolLM2: its float32 folder
     phases: dict[str, dict[str, float]] = {}
     with cpu_engine(
-        model, dtype, max_model_len=context + new_tokens + 128, max_num_seqs=max(batch, 4),
-        max_num_batched_tokens=2048, enable_prefix_caching=True, dtype=model_dtype,
+        model, dtype, max_model_len=work.context + work.new_tokens + 128, max_num_seqs=max(work.batch, 4),
+        max_num_batched_tokens=2048, enable_prefix_caching=True, dtype=work.model_dtype,
     ) as llm:  # fmt: skip
         one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         llm.generate(token_prompts(1, 256, model, first=3000), one, use_tqdm=False)  # warm-up
-        prompts = token_prompts(batch, context, model, first=2000)
+        prompts = token_prompts(work.batch, work.context, model, first=2000)
         runs = {
             "miss": one,
             "hit": one,
-            "decode": SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
+            "decode": SamplingParams(max_tokens=work.new_tokens, temperature=0.0, ignore_eos=True),
         }
         for phase, params in runs.items():
             prof = cProfile.Profile(time.process_time)
             prof.enable()
             llm.generate(prompts, params, use_tqdm=False)
             prof.disable()
-            if dump is not None:  # for pstats: python -m pstats <dump>/<dtype>-<phase>.prof
-                dump.mkdir(parents=True, exist_ok=True)
-                prof.dump_stats(dump / f"{dtype}-{phase}.prof")
+            if work.dump is not None:  # for pstats: python -m pstats <dump>/<dtype>-<phase>.prof
+                work.dump.mkdir(parents=True, exist_ok=True)
+                prof.dump_stats(work.dump / f"{dtype}-{phase}.prof")
             phases[phase] = split(prof)
             print(f"{dtype} {phase}: {sum(phases[phase].values()):.2f} CPU s", file=sys.stderr, flush=True)
     phases["decode"] = {k: phases["decode"][k] - phases["hit"][k] for k in PARTS}
-    return {"kv_cache_dtype": dtype, "batch": batch, "context": context, "new_tokens": new_tokens, "phases": phases}
+    shape = {"batch": work.batch, "context": work.context, "new_tokens": work.new_tokens}
+    return {"kv_cache_dtype": dtype, **shape, "phases": phases}
 
 
-def run(
-    dtypes: list[str],
-    batch: int,
-    context: int,
-    new_tokens: int,
-    model: str = "smollm2-135m",
-    model_dtype: str = "auto",
-    dump: Path | None = None,
-) -> list[dict[str, Any]]:
+def run(dtypes: list[str], work: Workload) -> list[dict[str, Any]]:
     """One fresh process per cache, one after the other; the rows of :func:`child`."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     rows = []
     for dtype in dtypes:
-        cmd = [sys.executable, "-m", "kvarn.bench.profile_engine", "--child", dtype]
-        cmd += ["--batch", str(batch), "--context", str(context)]
-        cmd += ["--new-tokens", str(new_tokens), "--model", model, "--model-dtype", model_dtype]
-        cmd += ["--dump", str(dump)] if dump is not None else []
+        cmd = [sys.executable, "-m", "kvarn.bench.profile_engine", "--child", dtype, *work.args()]
         done = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True)
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     return rows
@@ -173,11 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-doc", action="store_true", help="do not touch the markdown file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    work = Workload(args.batch, args.context, args.new_tokens, args.model, args.model_dtype, args.dump)
     if args.child:
-        row = child(args.child, args.batch, args.context, args.new_tokens, args.model, args.model_dtype, args.dump)
-        print(json.dumps(row))
+        print(json.dumps(child(args.child, work)))
         return 0
-    rows = run(args.dtypes, args.batch, args.context, args.new_tokens, args.model, args.model_dtype, args.dump)
+    rows = run(args.dtypes, work)
     text = table(rows)
     print(text)
     if args.json:
