@@ -43,6 +43,7 @@ from kvarn.codec.latent import dequantize_latent, quantize_latent, rope_dtype
 from kvarn.vllm.backend import PackedTileBackend
 from kvarn.vllm.context import EngineSpec, EngineState, current_config, engine_state, tail_counted
 from kvarn.vllm.forward import gather_full_tiles, write_rows
+from kvarn.vllm.pages import packed_spec
 from kvarn.vllm.planner import Planner, shared_planner
 from kvarn.vllm.step import StepTensors, Writes
 from kvarn.vllm.tail import read_rows, write_page_rows
@@ -145,6 +146,10 @@ class KvarnMLAImpl(CPUMLAImpl):
         self.sink: torch.Tensor | None = None  # [slots, capacity, L + R] for schemes with a sink
         self.allocated = False
 
+    def layer_spec(self, spec: AttentionSpec, layer_name: str) -> AttentionSpec:
+        """The layer's packed spec: a page of one tile record of the latent and RoPE rows."""
+        return packed_spec(spec, self.scheme, self.nbytes)
+
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """vLLM's (weight absorption), then the layer's sink pool (once), allocated before vLLM measures
         memory for the KV cache and counted against it."""
@@ -240,12 +245,16 @@ class KvarnMLABackend(PackedTileBackend, CPUMLABackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """The packed spec (:meth:`PackedTileBackend.customize_spec`) as a
+        """A layer's spec is kept: it arrives packed and with its tail (:meth:`KvarnMLAImpl.layer_spec`,
+        through :func:`kvarn.vllm.patches.patch_attention_kv_cache_spec`); a spec of no particular layer
+        becomes the packed spec (:meth:`PackedTileBackend.customize_spec`) as a
         :class:`kvarn.vllm.tail.TailMLASpec`: each request holds its tail's lookahead blocks."""
-        packed = super().customize_spec(spec)
+        if spec.state_content_bytes is not None:
+            return spec
         config = current_config()
-        layout = EngineSpec.from_config(config).layout
-        return with_tail(packed, layout, config, counted=tail_counted(config))  # type: ignore[no-any-return]
+        engine = EngineSpec.from_config(config)
+        packed = packed_spec(spec, engine.scheme, cls.record_bytes(engine, spec))
+        return with_tail(packed, engine.layout, config, counted=tail_counted(config))  # type: ignore[no-any-return]
 
     @classmethod
     def record_bytes(cls, engine: EngineSpec, spec: AttentionSpec) -> int:

@@ -13,6 +13,7 @@ A layer the preset keeps unquantized (an fp16 override) has no kvarn page: vLLM'
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Protocol, runtime_checkable
 
 import torch
 from vllm.v1.kv_cache_interface import AttentionSpec
@@ -20,6 +21,15 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from kvarn.schemes import Scheme
 from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
 from kvarn.vllm.context import EngineSpec
+
+
+@runtime_checkable
+class PackedLayerImpl(Protocol):
+    """A kvarn attention impl (standard or MLA) that gives its layer's packed spec."""
+
+    def layer_spec(self, spec: AttentionSpec, layer_name: str) -> AttentionSpec:
+        """``spec`` (vLLM's spec of the layer) as the layer's packed page: one tile record per KV head."""
+        ...
 
 
 def layer_page_bytes(scheme: Scheme, head_dim: int, layer: int) -> int:

