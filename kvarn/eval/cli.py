@@ -217,16 +217,9 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     tokens = {"perplexity": args.tokens, "needle": max(args.lengths), "drift": 10**9, "freerun": 10**9}[args.task]
-    ev = Evaluator(
-        args.model,
-        text,
-        tokens=tokens,
-        chunk=args.chunk,
-        greedy_tokens=args.greedy_tokens,
-        device=args.device,
-        dtype=args.dtype,
-        bos=args.bos,
-    )
+    # the evaluator's settings, recorded as given in the JSON
+    settings = {"chunk": args.chunk, "device": args.device, "dtype": args.dtype, "bos": args.bos}
+    ev = Evaluator(args.model, text, tokens=tokens, greedy_tokens=args.greedy_tokens, **settings)
     if args.task == "perplexity" and ev.tokens < args.tokens:
         print(f"kvarn eval: note: the text has only {ev.tokens} tokens; evaluating all of them", file=sys.stderr)
     meta: dict[str, Any] = {
@@ -234,10 +227,7 @@ def run_eval(args: argparse.Namespace) -> int:
         "model": args.model,
         "text": str(args.text) if args.text else "gpl-3 + apache-2.0 (bundled)",
         "text_sha256": ev.text_sha256,
-        "chunk": args.chunk,
-        "device": args.device,
-        "dtype": args.dtype,
-        "bos": args.bos,
+        **settings,
         "bos_prepended": ev.bos,
     }
     done: list[Result] = []
