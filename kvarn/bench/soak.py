@@ -55,30 +55,61 @@ from kvarn.testing.greedy import agree, first_difference
 from kvarn.testing.serve import Completion, complete, read_metrics, stream_completion, vllm_server
 
 
+def _option(default: Any, help: str, **cli: Any) -> Any:
+    """A :class:`SoakConfig` field with what its option of ``tools/soak.py`` says: ``help`` (argparse's
+    text: ``%(default)s`` is the default) and ``cli`` (``flag`` where it is not the field's name,
+    ``choices``)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass(frozen=True)
 class SoakConfig:
-    """What a soak run serves and sends (see the module doc)."""
+    """What a soak run serves and sends (see the module doc). Each field is an option of
+    ``tools/soak.py``: its name with dashes, less a trailing ``_s`` (``--burst-every``), and its help."""
 
-    minutes: float = 60.0
-    model: str = "smollm2-135m"
-    kv_cache_dtype: str = "kvarn_k4v2_g128"
-    dtype: str = "float32"
-    clients: int = 12
-    max_model_len: int = 4096
-    max_num_seqs: int = 32
-    max_tokens: int = 128  # output tokens of an ordinary request: 16 up to this
-    kv_tokens: int | None = None  # KV memory for about this many tokens (None: 4 x max_model_len)
-    kv_cache_memory_bytes: int | None = None  # overrides kv_tokens
-    burst_every_s: float = 300.0
-    checks: int = 8
-    check_len: int = 300
-    check_tokens: int = 32
-    idle_s: float = 20.0
-    rss_every_s: float = 10.0
-    progress_every_s: float = 60.0
-    seed: int = 0
-    reserve_full_prompt: bool = False  # vLLM's default admission: see the module doc
-    serve_args: tuple[str, ...] = ()
+    minutes: float = _option(60.0, "minutes of traffic (default %(default)s)")
+    model: str = _option("smollm2-135m", "model alias or folder (default %(default)s)")
+    kv_cache_dtype: str = _option(
+        "kvarn_k4v2_g128", "a kvarn preset, or auto for vLLM's own cache as a baseline (default %(default)s)"
+    )
+    dtype: str = _option(
+        "float32",
+        "model dtype (default %(default)s: where a greedy answer must not depend on its batch)",
+        choices=("float32", "bfloat16"),
+    )
+    clients: int = _option(12, "client threads (default %(default)s)")
+    max_model_len: int = _option(4096, "(default %(default)s)")
+    max_num_seqs: int = _option(32, "(default %(default)s)")
+    max_tokens: int = _option(
+        128,
+        "most output tokens of an ordinary request, 16 up to this (default %(default)s); prompts take up to "
+        "--max-model-len less this",
+    )
+    kv_tokens: int | None = _option(
+        None,
+        "KV memory (--kv-cache-memory-bytes of the server) that holds about this many tokens of the cache "
+        "(default 4 x --max-model-len: a burst of --clients full-length requests does not fit, so vLLM "
+        "preempts); VLLM_CPU_KVCACHE_SPACE is removed from the server's environment, since it would override it",
+    )
+    kv_cache_memory_bytes: int | None = _option(None, "KV memory in bytes, instead of --kv-tokens")
+    burst_every_s: float = _option(
+        300.0, "seconds between bursts: each client's next request a full-length prompt (default %(default)s)"
+    )
+    checks: int = _option(8, "check prompts (default %(default)s)")
+    check_len: int = _option(300, "tokens of a check prompt (default %(default)s)")
+    check_tokens: int = _option(32, "greedy tokens of a check (default %(default)s)")
+    idle_s: float = _option(
+        20.0, "seconds to wait after the load for no running request and no used KV block (default %(default)s)"
+    )
+    rss_every_s: float = _option(10.0, "seconds between RSS samples")
+    progress_every_s: float = _option(60.0, "seconds between progress lines")
+    seed: int = _option(0, "seed of the clients' choices (default %(default)s)")
+    reserve_full_prompt: bool = _option(
+        False,
+        "keep vLLM's admission (a request only when its whole prompt fits: it then rarely preempts); by "
+        "default the server runs with --no-scheduler-reserve-full-isl, so that bursts preempt",
+    )
+    serve_args: tuple[str, ...] = _option((), "extra `vllm serve` argument (repeatable)", flag="--serve-arg")
 
 
 SCHEDULE = ("check", "plain", "stream", "prefix", "stream", "plain", "prefix-stream", "stream")  # one in 8: a check
