@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvarn.clihelp import DefaultsHelpFormatter
 from kvarn.schemes import (
     PresetError,
     SchemeError,
@@ -22,20 +23,6 @@ from kvarn.schemes import (
 from kvarn.schemes.scheme import ALLOWED_HEAD_DIMS
 
 DEFAULT_CONTEXT = 8192  # tokens per sequence the per-sequence sink cost is spread over in `kvarn presets`
-
-
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """Appends ``(default: X)`` to an option's help unless its text gives the default already, or
-    there is none to give (no default, an off switch, an empty string)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        default = action.default
-        if any(default is x for x in (None, False, argparse.SUPPRESS)) or default == "" or not action.option_strings:
-            return text
-        if "(default" in text or text.startswith("default"):
-            return text
-        return f"{text} (default: %(default)s)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -117,7 +104,35 @@ def _warn_bad_files() -> int:
     return len(problems) + len(clashes)
 
 
+def _cmd_recommend(args: argparse.Namespace) -> int:
+    """``kvarn presets --model M``: the presets measured on ``M`` and the one for ``--budget``."""
+    from kvarn.autotune.budget import parse_budget
+    from kvarn.autotune.recommend import by_scheme, recommend
+
+    budget = parse_budget(args.budget)
+    pick = recommend(args.model, budget)
+    groups = by_scheme(args.model)
+    if args.json:
+        measured = [r.to_dict() for g in groups.values() for r in g]
+        out = {"model": args.model, "budget": budget.to_dict(), "scheme": pick.scheme, "holds": pick.holds,
+               "closest": pick.closest, "bits_per_element": pick.bits_per_element, "measured": measured}  # fmt: skip
+        print(json.dumps(out, indent=2))
+        return 0
+    lengths = sorted({r.tokens for g in groups.values() for r in g})
+    print(f"{'scheme':<48} {'bits/elem':>9} " + " ".join(f"{'KL@' + str(n) + ' [90%]':>26}" for n in lengths))
+    for scheme, g in groups.items():
+        at = {r.tokens: r for r in g}
+        cells = [at[n].kl_text if n in at else "-" for n in lengths]
+        mark = "  <- " + budget.text if scheme == pick.scheme else ""
+        print(f"{scheme:<48} {g[-1].bits_per_element:>9.3f} " + " ".join(f"{c:>26}" for c in cells) + mark)
+    print(pick.sentence())
+    print("(measured in decode mode against the 16-bit cache on the bundled text: docs/guide/presets.md)")
+    return 0
+
+
 def _cmd_presets(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        return _cmd_recommend(args)
     if args.context < 1:
         raise ValueError(f"--context {args.context} must be >= 1 token")
     if args.num_layers is not None and args.num_layers < 1:
@@ -168,6 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-layers",
         type=int,
         help="layers to average presets with per-layer overrides over (default: the count their tuning run recorded)",
+    )
+    p.add_argument(
+        "--model",
+        help="recommend for this model: the presets measured on it and the one of fewest bits within --budget",
+    )
+    p.add_argument(
+        "--budget",
+        default="kl=0.01",
+        help="with --model: 'kl=0.01' (mean KL to the 16-bit cache) or '1%%' (perplexity increase)",
     )
     p.add_argument("--json", action="store_true", help="print a JSON list (with per-layer bits) instead of a table")
     p.add_argument(

@@ -13,7 +13,8 @@ documents), :mod:`~kvarn.autotune.allocate` and :mod:`~kvarn.autotune.ladder` (b
 (``TuneResult``, ``Outcome``), :mod:`~kvarn.autotune.tuner` (``tune()``: the phases in order),
 :mod:`~kvarn.autotune.report` (preset with provenance, table, JSON, plot) and
 :mod:`~kvarn.autotune.cli` (``kvarn-tune``, the only place that picks exit codes), and
-:mod:`~kvarn.autotune.missrate` (how often a winner breaks its budget on unseen documents).
+:mod:`~kvarn.autotune.missrate` (how often a winner breaks its budget on unseen documents);
+:mod:`~kvarn.autotune.recommend` (which measured preset holds a budget on a model: ``kvarn presets --model``).
 """
 
 from kvarn.autotune.budget import Budget, BudgetError, parse_budget

@@ -29,7 +29,7 @@ from kvarn.autotune.space import SINK_CHOICES, SINKS
 from kvarn.autotune.storecost import OBJECTIVES
 from kvarn.autotune.texts import SPLITS
 from kvarn.autotune.tuner import model_dims, tune
-from kvarn.cli import DefaultsHelpFormatter
+from kvarn.clihelp import DefaultsHelpFormatter
 
 EXIT_CODES: dict[Outcome, int] = {
     Outcome.OK: 0,
