@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from kvarn.bench.doc_section import ROOT, commit, machine, measuring_args, utc_stamp, write_section
-from kvarn.bench.soak import SoakConfig, failures, run, section, table
+from kvarn.bench.soak import SoakConfig, run
+from kvarn.bench.soak_report import failures, section, table
 
 DOC = ROOT / "docs" / "reliability.md"
 MAX_RSS_GROWTH = 25.0

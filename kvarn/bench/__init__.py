@@ -12,6 +12,7 @@ package. The figures a run measures go to ``docs/`` (:mod:`kvarn.bench.doc_secti
 - :mod:`~kvarn.bench.vllm_tasks`: the accuracy harness's tasks through vLLM (``tools/vllm_tasks.py``);
 - :mod:`~kvarn.bench.compile_gate`: every kernel variant through Triton's real compiler (``tools/compile_gate.py``);
 - :mod:`~kvarn.bench.asan`: the native extension built with AddressSanitizer (``tools/asan.py``);
-- :mod:`~kvarn.bench.soak`: ``vllm serve`` under mixed traffic, then audited (``tools/soak.py``);
+- :mod:`~kvarn.bench.soak`, :mod:`~kvarn.bench.soak_report`: ``vllm serve`` under mixed traffic, then
+  audited (``tools/soak.py``);
 - :mod:`~kvarn.bench.tables`: the Markdown tables the tools print.
 """
