@@ -81,7 +81,7 @@ CELLS = (
     Cell("no-prefix", "prefix caching off", engine={"enable_prefix_caching": False}),
     Cell("chunks", "chunks of 96 tokens (cut tiles)", engine={"max_num_batched_tokens": 96}),
     Cell("ngram", "ngram speculative decoding", engine={"speculative_config": NGRAM}),
-    Cell("preempt", "KV memory for one request (preemption)", preempt=True),
+    Cell("preempt", "KV memory too small for two requests (preemption)", preempt=True),
     Cell("abort", "a request aborted mid-tile", abort=True),
     Cell("tp2", "tensor parallel 2 (random Llama, 2 KV heads)", model="tiny", engine={"tensor_parallel_size": 2}),
     Cell("mixed", "per-layer mixed-bit preset", kvarn_dtype=MIXED, reference=False),
@@ -227,7 +227,7 @@ def run_one(cell: Cell, cache: str, dtype: str, work: Path) -> dict[str, Any]:
         free_end = _free_blocks(llm)
     forced: dict[str, Any] = {}
     if cell.name == "plain" and dtype == "bfloat16":
-        forced = _forced(folder, prompts, [g.tokens for g in alone], cache)
+        forced = _forced(folder, prompts, [g.tokens for g in alone])
     rows = []
     for a, b in zip(crowd, alone, strict=True):
         at = first_difference(a, b)
@@ -243,17 +243,17 @@ def run_one(cell: Cell, cache: str, dtype: str, work: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _forced(folder: Path, prompts: list[list[int]], tokens: list[list[int]], cache: str) -> dict[str, Any]:
+def _forced(folder: Path, prompts: list[list[int]], tokens: list[list[int]]) -> dict[str, Any]:
     """What the plain cell's bfloat16 completions are checked with: the logits' magnitudes (``scales``,
-    float32) the bound is measured in and, for vLLM's 16-bit cache, the logprobs transformers' own
-    bfloat16 forward gives the same tokens (``eager``: another implementation's rounding, which the
-    bound must hold; kvarn's cache differs from it by quantization, not rounding)."""
+    float32) the bound is measured in, and the logprobs transformers' own bfloat16 forward gives the
+    same tokens (``eager``: another implementation's rounding, which vLLM's 16-bit cache must keep
+    within the bound; kvarn's cache differs from it by quantization too)."""
     from kvarn.testing.logits import forced
 
-    out: dict[str, Any] = {"scales": forced(folder, prompts, tokens).scales}
-    if cache == "default":
-        out["eager"] = forced(folder, prompts, tokens, "bfloat16").logprobs
-    return out
+    return {
+        "scales": forced(folder, prompts, tokens).scales,
+        "eager": forced(folder, prompts, tokens, "bfloat16").logprobs,
+    }
 
 
 def eager_margin(plain: dict[str, Any]) -> float:
@@ -446,8 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     text += reference_table(ok, dtypes)
     eager = [r for r in ok if r["cell"] == "plain" and "eager" in r]
     text += "".join(
-        f"\n\nThe plain cell ({r['model']}, vLLM's 16-bit cache, bfloat16) against transformers' own bfloat16"
+        f"\n\nThe plain cell ({r['model']}, {r['cache']} cache, bfloat16) against transformers' own bfloat16"
         f" forward of the same tokens: drift {eager_margin(r):.2f} of the bound"
+        + (" (kvarn's cache quantizes: no verdict)" if r["cache"] == "kvarn" else "")
         for r in eager
     )
     failed = [f"{r['cell']} {r['cache']} {r['dtype']}: {r['error']}" for r in results if "error" in r]
