@@ -21,7 +21,9 @@ magnitude there (derived from bfloat16's 8 significant bits; the plain cell meas
 with a float32 forward of its completions), a *near-tie* when the tokens first differ where the two
 runs' gaps between the two tokens sum within that bound, else *wrong*; and the cell proves its feature ran (prefix tokens hit, draft tokens accepted, preemptions, a prompt
 longer than the step's token budget, two workers). The mixed-bit, sliding-window and hybrid cells
-serve other schemes or models than any plain run; they keep the crowd-against-alone column only.
+serve other schemes or models than any plain run; they keep the crowd-against-alone column only
+(a mixed-bit preset's layers are compared with the uniform schemes' bytes in
+``tests/vllm/test_mixed_layers.py``).
 
 Every cell runs with kvarn's cache and with vLLM's 16-bit cache, in float32 (vLLM's CPU ops then
 compute a request alike in any batch, so a kvarn difference is kvarn's) and in bfloat16 (as users
