@@ -19,8 +19,9 @@ or worker count sums in another order: rounding only). In bfloat16 it is *exact*
 the reference's and every logprob within :func:`kvarn.testing.greedy.bf16_tolerance` of the logits'
 magnitude there (derived from bfloat16's 8 significant bits; the plain cell measures the magnitudes
 with a float32 forward of its completions), a *near-tie* when the tokens first differ where the two
-runs' gaps between the two tokens sum within that bound, else *wrong*; and the cell proves its feature ran (prefix tokens hit, draft tokens accepted, preemptions, a prompt
-longer than the step's token budget, two workers). The mixed-bit, sliding-window and hybrid cells
+runs' gaps between the two tokens sum within that bound, else *wrong*; and the cell proves its
+feature ran (prefix tokens hit, draft tokens accepted, preemptions, a prompt longer than the step's
+token budget, two workers). The mixed-bit, sliding-window and hybrid cells
 serve other schemes or models than any plain run; they keep the crowd-against-alone column only
 (a mixed-bit preset's layers are compared with the uniform schemes' bytes in
 ``tests/vllm/test_mixed_layers.py``).
