@@ -66,6 +66,7 @@ def test_guide_preset_table_matches_the_builtins() -> None:
     from kvarn.schemes import BUILTINS
 
     text = (GUIDE / "presets.md").read_text(encoding="utf-8")
+    text = re.sub(r"<!-- preset-accuracy -->.*?<!-- /preset-accuracy -->", "", text, flags=re.S)  # measured rows
     rows = re.findall(r"^\| `(kvarn_\w+)` \| (.+) \|$", text, re.MULTILINE)
     assert {name for name, _ in rows} == set(BUILTINS), rows
     for name, rest in rows:

@@ -31,7 +31,9 @@ CASES = [
 
 @pytest.fixture(scope="module", autouse=True)
 def vllm_ops() -> None:
-    pytest.importorskip("vllm._C")  # registers torch.ops._C.cpu_attention_with_kv_cache
+    # vLLM loads the build of its CPU ops for this CPU (vllm._C needs AVX-512 BF16: importing it
+    # elsewhere kills the process) and registers torch.ops._C.cpu_attention_with_kv_cache
+    pytest.importorskip("vllm._custom_ops")
     if paged_prefill.engine(torch.float32, 32, 64) is None:
         pytest.skip("vLLM's CPU attention ops are not registered on this machine")
 
